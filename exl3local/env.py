@@ -1,0 +1,32 @@
+"""Every EXL3LOCAL_* environment variable, with its default and a one-line doc.
+
+Read them through `EnvVar.get()` at the moment they are needed, never at import time,
+so tests and the daemon can change them per process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    doc: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+    def get_bool(self) -> bool:
+        return self.get().strip().lower() in {"1", "true", "yes", "on"}
+
+
+HOST = EnvVar("EXL3LOCAL_HOST", "127.0.0.1:11435", "daemon API address; loopback by default")
+TRACE_PATHS = EnvVar("EXL3LOCAL_TRACE_PATHS", "0", "print one line per EXL3 kernel path the first time it runs")
+DECODE_ONCE = EnvVar(
+    "EXL3LOCAL_DECODE_ONCE", "0", "plugin: keep a dense copy of each weight after the first decode (CPU speed-up, more memory)"
+)
+
+ALL: tuple[EnvVar, ...] = (HOST, TRACE_PATHS, DECODE_ONCE)

@@ -1,0 +1,1 @@
+"""Desktop/systemd integration templates shipped in the wheel."""

@@ -1,0 +1,1 @@
+"""Hardware profiles (TOML files beside this module)."""

@@ -1,0 +1,33 @@
+"""Shared test fixtures: the oracle data in ../shared/fixtures and untarred tiny models."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("EXL3LOCAL_SHARED", REPO.parent / "shared"))
+FIXTURES = SHARED / "fixtures"
+TINY_MODELS = ("tiny-llama-exl3-4.0bpw", "tiny-llama-exl3-2.5bpw", "tiny-qwen3moe-exl3-4.0bpw")
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    if not FIXTURES.is_dir():
+        pytest.fail(f"oracle fixtures not found at {FIXTURES} (set EXL3LOCAL_SHARED)")
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, fixtures_dir: Path) -> dict[str, Path]:
+    """Each tiny EXL3 model untarred once per session: name -> checkpoint dir (read-only use)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    out = {}
+    for name in TINY_MODELS:
+        with tarfile.open(fixtures_dir / "models" / name / f"{name}.tar") as tar:
+            tar.extractall(root, filter="data")
+        out[name] = root / name
+    return out

@@ -1,0 +1,1 @@
+"""Textual dashboard (`exl3local dash`)."""
