@@ -1,0 +1,69 @@
+"""Per-user directories (XDG via platformdirs). Each call creates the directory, user-only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP = "exl3local"
+
+
+def _ensure(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def state_dir() -> Path:
+    """Pinned profile, engine record, the engine's cwd."""
+    return _ensure(platformdirs.user_state_path(APP))
+
+
+def log_dir() -> Path:
+    """daemon.log and the rotating engine.log."""
+    return _ensure(platformdirs.user_log_path(APP))
+
+
+def config_dir() -> Path:
+    """User profile overrides (profiles/*.toml here shadow the bundled ones)."""
+    return _ensure(platformdirs.user_config_path(APP))
+
+
+def cache_dir() -> Path:
+    return _ensure(platformdirs.user_cache_path(APP))
+
+
+def runtime_dir() -> Path:
+    """Lock and API token. XDG_RUNTIME_DIR when set; without it platformdirs would warn and pick
+    a shared /tmp path, so fall back to a user-only folder in the state dir instead."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = _ensure(Path(base) / APP if base else state_dir() / "run")
+    path.chmod(0o700)
+    return path
+
+
+def lock_file() -> Path:
+    return runtime_dir() / "daemon.lock"
+
+
+def token_file() -> Path:
+    """Secret for the daemon's mutating endpoints: other local users can reach 127.0.0.1 too."""
+    return runtime_dir() / "api.token"
+
+
+def engine_record() -> Path:
+    """The running engine's pid/pgid/tmpdir, so a daemon killed with -9 is cleaned up after."""
+    return state_dir() / "engine.json"
+
+
+def engine_log() -> Path:
+    return log_dir() / "engine.log"
+
+
+def daemon_log() -> Path:
+    return log_dir() / "daemon.log"
+
+
+def pinned_profile() -> Path:
+    return config_dir() / "profile"
