@@ -28,5 +28,10 @@ TRACE_PATHS = EnvVar("EXL3LOCAL_TRACE_PATHS", "0", "print one line per EXL3 kern
 DECODE_ONCE = EnvVar(
     "EXL3LOCAL_DECODE_ONCE", "0", "plugin: keep a dense copy of each weight after the first decode (CPU speed-up, more memory)"
 )
+DISABLED_KERNELS = EnvVar(
+    "EXL3LOCAL_DISABLED_KERNELS", "", "comma-separated EXL3 kernel class names to skip (e.g. TritonLinearKernel)"
+)
+# Triton's own switch, read here so kernel choice knows Triton will run in its CPU interpreter (CI).
+TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's: run Triton kernels in its CPU interpreter")
 
-ALL: tuple[EnvVar, ...] = (HOST, TRACE_PATHS, DECODE_ONCE)
+ALL: tuple[EnvVar, ...] = (HOST, TRACE_PATHS, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET)

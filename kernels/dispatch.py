@@ -1,0 +1,242 @@
+"""Kernel choice for EXL3 layers: what a layer needs (KernelSpec), who can serve it (CANDIDATES), which
+one does (choose_kernel), and which path a call took (KernelPath, for the plugin's trace counters).
+
+The choice runs once per layer (`prepare`), never per call; `linear()` is the convenience wrapper that
+prepares and applies in one go (tests, benches, one-off use).
+
+    spec = KernelSpec(size_k, size_n, bits, codebook, torch.float16, has_bias=False)
+    kernel = prepare(spec, device)            # raises NoKernelError listing every refusal
+    path = kernel.path_for(rows)              # KernelPath for the trace, no side effects
+    y = kernel.apply(x, trellis, suh, svh, bias)
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from exl3local import env
+from exl3local.errors import NoKernelError
+from exl3local.kernels import reference
+from exl3local.kernels.codebook import CODEBOOKS
+from exl3local.kernels.hadamard import HADAMARD_BLOCK
+
+BACKENDS = ("triton", "reference")
+ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class KernelPath(enum.StrEnum):
+    """Every path an EXL3 matmul can take. Closed: the trace and the dashboard key on these names."""
+
+    GEMV = "gemv"  # decode in registers, few rows
+    GEMM = "gemm"  # decode tiles on chip, feed tl.dot, many rows
+    RECONSTRUCT_GEMM = "reconstruct_gemm"  # decode the dense weight once per call, then a torch matmul
+    MOE_DECODE = "moe_decode"  # grouped (token, expert) units, one launch per projection
+    MOE_VERIFY = "moe_verify"  # a few tokens (speculative verify) through the grouped kernel
+    MOE_GROUPED = "moe_grouped"  # tokens sorted by expert, per-expert GEMM tiles
+    MOE_BATCHED = "moe_batched"  # per-expert loop over dense reconstructions (large batches)
+    REFERENCE = "reference"  # kernels/reference.py: the spec, slow, any device
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a layer needs from a kernel: shapes and types only (the checkpoint's tensors decide them)."""
+
+    size_k: int
+    size_n: int
+    bits: float
+    codebook: str
+    act_dtype: torch.dtype = torch.float16
+    has_bias: bool = False
+
+    def __str__(self) -> str:
+        dtype = str(self.act_dtype).removeprefix("torch.")
+        bias = "+bias" if self.has_bias else ""
+        return f"EXL3 {self.size_k}x{self.size_n} bits={self.bits} {self.codebook} {dtype}{bias}"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Where a kernel will run: the torch device type, and whether Triton runs in its CPU interpreter."""
+
+    backend: str  # "cuda" | "xpu" | "cpu"
+    triton_interpret: bool = False
+
+    @classmethod
+    def of(cls, device: torch.device | str) -> DeviceInfo:
+        dev = torch.device(device)
+        return cls(dev.type, env.TRITON_INTERPRET.get_bool())
+
+
+def spec_refusal(spec: KernelSpec) -> str | None:
+    """Why no EXL3 kernel at all could serve this spec (the format itself forbids it), or None."""
+    try:
+        reference.check_bits(spec.bits, spec.codebook)
+    except ValueError as exc:
+        return str(exc)
+    if spec.size_k % HADAMARD_BLOCK or spec.size_n % HADAMARD_BLOCK:
+        return f"dims must be multiples of {HADAMARD_BLOCK}, got k={spec.size_k}, n={spec.size_n}"
+    if spec.act_dtype not in ACT_DTYPES:
+        return f"activations must be one of {ACT_DTYPES}, got {spec.act_dtype}"
+    return None
+
+
+class Exl3Kernel(ABC):
+    """One backend's EXL3 linear. Subclasses say why they refuse a spec, and serve it once accepted."""
+
+    backend: str  # one of BACKENDS: what `linear(..., backend=...)` forces
+
+    def __init__(self, spec: KernelSpec, device: DeviceInfo) -> None:
+        self.spec = spec
+        self.device = device
+
+    @classmethod
+    @abstractmethod
+    def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
+        """None when this kernel can serve `spec` on `device`, else the reason it cannot."""
+
+    @abstractmethod
+    def path_for(self, rows: int) -> KernelPath:
+        """The path `apply` takes for `rows` activation rows (pure: the plugin counts it)."""
+
+    @abstractmethod
+    def apply(
+        self,
+        x: torch.Tensor,
+        trellis: torch.Tensor,
+        suh: torch.Tensor,
+        svh: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """y = x @ W (+ bias), shape (*x.shape[:-1], size_n), dtype of x."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec})"
+
+
+class TorchReferenceKernel(Exl3Kernel):
+    """kernels/reference.py: bit-exact and portable, decodes the whole weight per call (slow)."""
+
+    backend = "reference"
+
+    @classmethod
+    def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
+        return spec_refusal(spec)
+
+    def path_for(self, rows: int) -> KernelPath:
+        return KernelPath.REFERENCE
+
+    def apply(self, x, trellis, suh, svh, bias=None):
+        return reference.linear(x, trellis, suh, svh, self.spec.bits, self.spec.codebook, bias)
+
+
+class TritonLinearKernel(Exl3Kernel):
+    """Triton: GEMV (decode in registers) for few rows, on-chip-decoded GEMM for many (triton_gemv/gemm.py)."""
+
+    backend = "triton"
+
+    @classmethod
+    def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
+        why = spec_refusal(spec)
+        if why is not None:
+            return why
+        if device.backend == "cpu" and not device.triton_interpret:
+            return "Triton on CPU tensors runs only in its interpreter (TRITON_INTERPRET=1)"
+        if device.backend not in ("cuda", "xpu", "cpu"):
+            return f"no Triton backend for device type {device.backend!r}"
+        return "Triton kernels are not written yet (issue 5 in progress)"
+
+    def path_for(self, rows: int) -> KernelPath:
+        return KernelPath.GEMV
+
+    def apply(self, x, trellis, suh, svh, bias=None):
+        raise NotImplementedError
+
+
+# Per device type, best first. On CPU the interpreter exists for correctness tests only and the
+# reference is far faster, so the reference goes first there (the Triton kernel is forced by backend=).
+CANDIDATES: dict[str, tuple[type[Exl3Kernel], ...]] = {
+    "cuda": (TritonLinearKernel, TorchReferenceKernel),
+    "xpu": (TritonLinearKernel, TorchReferenceKernel),
+    "cpu": (TorchReferenceKernel, TritonLinearKernel),
+}
+
+
+def candidates(device: DeviceInfo) -> tuple[type[Exl3Kernel], ...]:
+    """Kernels to try for `device`, best first."""
+    return CANDIDATES.get(device.backend, (TorchReferenceKernel,))
+
+
+def choose_kernel(
+    spec: KernelSpec,
+    device: DeviceInfo,
+    disabled: frozenset[str] | set[str] = frozenset(),
+    backend: str | None = None,
+) -> type[Exl3Kernel]:
+    """The first candidate for `device` that accepts `spec`; NoKernelError lists every refusal.
+
+    `disabled` holds class names to skip (defaults come from EXL3LOCAL_DISABLED_KERNELS via `prepare`);
+    `backend` ("triton" | "reference") keeps only that backend's kernels.
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    reasons = []
+    for kernel in candidates(device):
+        if kernel.__name__ in disabled:
+            why = "disabled"
+        elif backend is not None and kernel.backend != backend:
+            why = f"backend {backend!r} requested"
+        else:
+            why = kernel.refuse(spec, device)
+        if why is None:
+            return kernel
+        reasons.append(f"{kernel.__name__}: {why}")
+    raise NoKernelError(spec, reasons)
+
+
+def disabled_kernels() -> frozenset[str]:
+    """Kernel class names switched off by EXL3LOCAL_DISABLED_KERNELS (comma-separated)."""
+    return frozenset(name.strip() for name in env.DISABLED_KERNELS.get().split(",") if name.strip())
+
+
+def prepare(
+    spec: KernelSpec, device: torch.device | str | DeviceInfo, backend: str | None = None
+) -> Exl3Kernel:
+    """Choose once per layer and return the kernel instance that serves it."""
+    info = device if isinstance(device, DeviceInfo) else DeviceInfo.of(device)
+    return choose_kernel(spec, info, disabled_kernels(), backend)(spec, info)
+
+
+def spec_of(
+    x: torch.Tensor, trellis: torch.Tensor, bits: float, codebook: str, bias: torch.Tensor | None = None
+) -> KernelSpec:
+    """The KernelSpec of a layer given its tensors."""
+    return KernelSpec(
+        trellis.shape[0] * reference.TILE,
+        trellis.shape[1] * reference.TILE,
+        bits,
+        codebook,
+        x.dtype,
+        bias is not None,
+    )
+
+
+def linear(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    bits: float,
+    codebook: str,
+    bias: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y = x @ W (+ bias) for one EXL3 layer. Chooses the kernel on every call: layers that run more
+    than once should `prepare` once and call `kernel.apply`."""
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"unknown EXL3 codebook {codebook!r}; expected one of {CODEBOOKS}")
+    kernel = prepare(spec_of(x, trellis, bits, codebook, bias), x.device, backend)
+    return kernel.apply(x, trellis, suh, svh, bias)
