@@ -1,0 +1,464 @@
+"""Read an EXL3 checkpoint directory into a frozen Manifest without loading its weights.
+
+Sources: config.json (`quantization_config`), quantization_config.json (`tensor_storage`), and the
+safetensors headers (one file, or shards listed by model.safetensors.index.json). The only tensor
+bytes read are the 4-byte codebook markers, whose value must be checked (format spec §1.4).
+Everything wrong is a CheckpointError naming the file, the tensor, what was expected and found.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from exl3local.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+QUANT_CONFIG_FILE = "quantization_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# A real header is a few MiB at most; the cap stops a corrupt length from allocating gigabytes.
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+FLOAT_DTYPES = {"F16", "BF16", "F32"}
+
+# Codebook markers: an int32 scalar whose bit pattern is the codebook's multiplier (spec §1.4).
+MARKER_VALUES = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
+GROUP_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
+HALF_RATE_WIDTHS = {24: 1.5, 40: 2.5, 56: 3.5}  # 16*KA + 8 int16 words per tile, mul1 only
+TILE = 16
+BLOCK = 128  # k and n of every EXL3 tensor are multiples of the Hadamard block
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as a safetensors header declares it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int  # absolute byte offset of the data in the file
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """One quantized linear: `prefix.trellis`, `prefix.suh`, `prefix.svh` [, marker, bias]."""
+
+    prefix: str
+    bits: float
+    codebook: str  # "3inst" | "mcg" | "mul1"
+    size_k: int  # padded input features (16 * trellis.shape[0])
+    size_n: int  # padded output features (16 * trellis.shape[1])
+    unpadded_k: int | None  # from the model config, where the layer's role is known
+    unpadded_n: int | None
+    has_bias: bool
+    file: str
+    tensors: tuple[str, ...]
+
+    @property
+    def trellis_bytes(self) -> int:
+        return self.size_k * self.size_n * int(round(16 * self.bits)) // 128
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    config: Mapping[str, Any]
+    quantization_config: Mapping[str, Any]
+    architecture: str
+    quantized: Mapping[str, TensorGroup]
+    unquantized: Mapping[str, TensorInfo]
+    files: tuple[str, ...]
+    bytes_on_disk: int
+    weight_bytes: int  # what the weights take in memory as stored (trellises stay compressed)
+    bits_histogram: Mapping[float, int] = field(default_factory=dict)  # bits -> number of linears
+
+    def group(self, prefix: str) -> TensorGroup:
+        try:
+            return self.quantized[prefix]
+        except KeyError:
+            raise CheckpointError(
+                str(self.path), prefix, "an EXL3 tensor group (trellis, suh, svh)", "no such group"
+            ) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "architecture": self.architecture,
+            "quantization_config": dict(self.quantization_config),
+            "files": list(self.files),
+            "bytes_on_disk": self.bytes_on_disk,
+            "weight_bytes": self.weight_bytes,
+            "bits_histogram": {str(k): v for k, v in sorted(self.bits_histogram.items())},
+            "quantized": {p: asdict(g) for p, g in self.quantized.items()},
+            "unquantized": {
+                n: {"dtype": t.dtype, "shape": list(t.shape), "file": t.file} for n, t in self.unquantized.items()
+            },
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def summary(self) -> str:
+        q = self.quantization_config
+        codebooks = Counter(g.codebook for g in self.quantized.values())
+        quant_weights = sum(g.size_k * g.size_n for g in self.quantized.values())
+        quant_bits = sum(g.size_k * g.size_n * g.bits for g in self.quantized.values())
+        lines = [
+            f"{self.path}",
+            f"  architecture   {self.architecture}",
+            f"  exl3           version {q.get('version', '?')}, bits {q.get('bits', '?')}, "
+            f"head_bits {q.get('head_bits', '?')}",
+            f"  files          {len(self.files)} ({_human(self.bytes_on_disk)} on disk)",
+            f"  weights        {_human(self.weight_bytes)} in memory as stored",
+            f"  quantized      {len(self.quantized)} linears, "
+            f"{quant_bits / quant_weights if quant_weights else 0:.2f} bpw average",
+            "  bits           " + ", ".join(f"{b:g}: {n}" for b, n in sorted(self.bits_histogram.items())),
+            "  codebooks      " + ", ".join(f"{c}: {n}" for c, n in sorted(codebooks.items())),
+            f"  unquantized    {len(self.unquantized)} tensors "
+            f"({_human(sum(t.nbytes for t in self.unquantized.values()))})",
+        ]
+        return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors headers
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse one safetensors header: 8-byte little-endian length, then a JSON object."""
+    name = path.name
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(name, None, "an 8-byte safetensors header length", f"{size} bytes")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(
+                    name, None, f"a header of at most {min(size - 8, MAX_HEADER_BYTES)} bytes",
+                    f"a declared header length of {length} (truncated file?)",
+                )
+            raw = f.read(length)
+    except OSError as err:
+        raise CheckpointError(name, None, "a readable safetensors file", str(err)) from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(name, None, "a JSON safetensors header", f"malformed JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(name, None, "a JSON object as header", type(header).__name__)
+    data_start, data_size = 8 + length, size - 8 - length
+    tensors = {}
+    for tensor, entry in header.items():
+        if tensor == "__metadata__":
+            continue
+        tensors[tensor] = _tensor_info(name, tensor, entry, data_start, data_size)
+    return tensors
+
+
+def _tensor_info(file: str, tensor: str, entry: Any, data_start: int, data_size: int) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise CheckpointError(file, tensor, "a header entry object", type(entry).__name__)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise CheckpointError(file, tensor, f"a dtype in {sorted(DTYPE_BYTES)}", repr(dtype))
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(file, tensor, "a shape of non-negative integers", repr(shape))
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_size
+    ):
+        raise CheckpointError(file, tensor, f"data_offsets [begin, end] within {data_size} data bytes", repr(offsets))
+    info = TensorInfo(tensor, dtype, tuple(shape), file, data_start + offsets[0])
+    if offsets[1] - offsets[0] != info.nbytes:
+        raise CheckpointError(
+            file, tensor, f"{info.nbytes} bytes for {dtype}{list(shape)}", f"{offsets[1] - offsets[0]} bytes"
+        )
+    return info
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(path.name, None, what, "no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(path.name, None, what, f"unreadable ({err})") from None
+
+
+def _read_tensors(root: Path) -> dict[str, TensorInfo]:
+    """All tensors of the checkpoint, from the single file or from every shard of the index."""
+    index_path = root / INDEX_FILE
+    if not index_path.exists():
+        if not (root / SINGLE_FILE).exists():
+            raise CheckpointError(str(root), None, f"{SINGLE_FILE} or {INDEX_FILE}", "neither")
+        return read_header(root / SINGLE_FILE)
+    index = _read_json(index_path, "a safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(INDEX_FILE, None, "a weight_map of tensor -> shard file", repr(type(weight_map)))
+    tensors: dict[str, TensorInfo] = {}
+    for shard in sorted(set(weight_map.values())):
+        shard_path = root / shard
+        if Path(shard).name != shard or not shard_path.is_file():
+            raise CheckpointError(INDEX_FILE, None, f"shard {shard!r} in the checkpoint", "missing")
+        tensors.update(read_header(shard_path))
+    for name, shard in weight_map.items():
+        if name not in tensors or tensors[name].file != shard:
+            raise CheckpointError(shard, name, "the tensor the index lists for this shard", "absent")
+    return tensors
+
+
+def _read_marker(root: Path, info: TensorInfo) -> int:
+    with (root / info.file).open("rb") as f:
+        f.seek(info.offset)
+        raw = f.read(4)
+    if len(raw) != 4:
+        raise CheckpointError(info.file, info.name, "4 bytes of marker data", f"{len(raw)} bytes (truncated)")
+    return struct.unpack("<I", raw)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# grouping and validation
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
+def _unpadded_dims(prefix: str, config: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(in, out) features of a linear by its role, from the model config; None where unknown."""
+    c = _text_config(config)
+
+    def get(key: str) -> int | None:
+        value = c.get(key)
+        return value if _is_int(value) else None
+
+    hidden, heads, kv_heads = get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads")
+    head_dim = get("head_dim") or (hidden // heads if hidden and heads else None)
+    q_out = heads * head_dim if heads and head_dim else None
+    kv_out = (kv_heads or heads) * head_dim if (kv_heads or heads) and head_dim else None
+    inter = get("moe_intermediate_size") if ".experts." in prefix else get("intermediate_size")
+    if ".shared_expert." in prefix:
+        inter = get("shared_expert_intermediate_size") or inter
+    roles = {
+        "q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
+        "o_proj": (q_out, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden), "lm_head": (hidden, get("vocab_size")),
+    }  # fmt: skip
+    return roles.get(prefix.rsplit(".", 1)[-1], (None, None))
+
+
+def _bits_from_width(file: str, tensor: str, width: int) -> float:
+    if width % 16 == 0 and 1 <= width // 16 <= 8:
+        return float(width // 16)
+    if width in HALF_RATE_WIDTHS:
+        return HALF_RATE_WIDTHS[width]
+    raise CheckpointError(
+        file, tensor, "a trellis width of 16*K int16 (K=1..8) or 24/40/56 (K=1.5/2.5/3.5)", str(width)
+    )
+
+
+def _build_group(root: Path, prefix: str, parts: dict[str, TensorInfo], config: Mapping[str, Any]) -> TensorGroup:
+    trellis = parts["trellis"]
+    file = trellis.file
+    if trellis.dtype != "I16" or len(trellis.shape) != 3:
+        raise CheckpointError(
+            file, trellis.name, "int16 (k/16, n/16, 16*K)", f"{trellis.dtype}{list(trellis.shape)}"
+        )
+    bits = _bits_from_width(file, trellis.name, trellis.shape[2])
+    size_k, size_n = TILE * trellis.shape[0], TILE * trellis.shape[1]
+    if size_k == 0 or size_n == 0 or size_k % BLOCK or size_n % BLOCK:
+        raise CheckpointError(file, trellis.name, "k and n multiples of 128 (padded at conversion)", f"k={size_k}, n={size_n}")
+    for side, size, packed in (("suh", size_k, "su"), ("svh", size_n, "sv")):
+        if side in parts:
+            t = parts[side]
+            if t.dtype != "F16" or t.shape != (size,):
+                raise CheckpointError(t.file, t.name, f"F16[{size}]", f"{t.dtype}{list(t.shape)}")
+        elif packed in parts:
+            t = parts[packed]
+            if t.dtype != "I16" or t.shape != (size // TILE,):
+                raise CheckpointError(t.file, t.name, f"I16[{size // TILE}] packed signs", f"{t.dtype}{list(t.shape)}")
+        else:
+            raise CheckpointError(file, f"{prefix}.{side}", f"{side} (or packed {packed}) beside the trellis", "missing")
+    markers = [m for m in MARKER_VALUES if m in parts]
+    if len(markers) > 1:
+        raise CheckpointError(file, prefix, "at most one codebook marker", " and ".join(markers))
+    codebook = markers[0] if markers else "3inst"
+    if markers:
+        marker = parts[codebook]
+        if marker.dtype != "I32" or marker.shape != ():
+            raise CheckpointError(marker.file, marker.name, "an int32 scalar marker", f"{marker.dtype}{list(marker.shape)}")
+        value = _read_marker(root, marker)
+        if value != MARKER_VALUES[codebook]:
+            raise CheckpointError(
+                marker.file, marker.name, f"marker value 0x{MARKER_VALUES[codebook]:08X}", f"0x{value:08X}"
+            )
+    if bits != int(bits) and codebook != "mul1":
+        raise CheckpointError(file, trellis.name, "half-integer bits only with the mul1 codebook", f"{bits} with {codebook}")
+    if "bias" in parts:
+        b = parts["bias"]
+        if b.dtype not in FLOAT_DTYPES or b.shape != (size_n,):
+            raise CheckpointError(b.file, b.name, f"a float bias of shape [{size_n}]", f"{b.dtype}{list(b.shape)}")
+    unpadded_k, unpadded_n = _unpadded_dims(prefix, config)
+    for role, unpadded, padded in (("in", unpadded_k, size_k), ("out", unpadded_n, size_n)):
+        if unpadded is not None and not padded - BLOCK < unpadded <= padded:
+            raise CheckpointError(
+                file, trellis.name, f"{role} features {unpadded} (config) padded to {padded}",
+                f"{padded} (trellis shape {list(trellis.shape)})",
+            )
+    return TensorGroup(
+        prefix, bits, codebook, size_k, size_n, unpadded_k, unpadded_n, "bias" in parts, file,
+        tuple(sorted(t.name for t in parts.values())),
+    )
+
+
+def _check_declared_bits(qstorage: Any, groups: Mapping[str, TensorGroup]) -> None:
+    """quantization_config.json's tensor_storage must agree with the trellis widths."""
+    if not isinstance(qstorage, dict):
+        raise CheckpointError(QUANT_CONFIG_FILE, "tensor_storage", "an object of module -> entry", type(qstorage).__name__)
+    for module, entry in qstorage.items():
+        if not isinstance(entry, dict) or entry.get("quant_format") != "exl3":
+            continue
+        declared = entry.get("bits_per_weight")
+        if module not in groups:
+            raise CheckpointError(QUANT_CONFIG_FILE, module, "the EXL3 tensors this entry declares", "missing in the safetensors")
+        if declared != groups[module].bits:
+            raise CheckpointError(
+                groups[module].file, f"{module}.trellis",
+                f"bits_per_weight {declared} (as {QUANT_CONFIG_FILE} declares)",
+                f"a trellis width for {groups[module].bits:g} bits",
+            )
+
+
+def _check_uniform_experts(groups: Mapping[str, TensorGroup]) -> None:
+    """Routed experts of one layer and projection must share bits and codebook (one packed arena)."""
+    seen: dict[str, TensorGroup] = {}
+    for prefix, g in sorted(groups.items()):
+        head, sep, tail = prefix.partition(".experts.")
+        if not sep or "." not in tail:
+            continue
+        expert, projection = tail.split(".", 1)
+        if not expert.isdigit():
+            continue
+        key = f"{head}.experts.*.{projection}"
+        first = seen.setdefault(key, g)
+        if (first.bits, first.codebook) != (g.bits, g.codebook):
+            raise CheckpointError(
+                g.file, prefix, f"{first.bits:g} bits / {first.codebook} like {first.prefix} (uniform per projection)",
+                f"{g.bits:g} bits / {g.codebook}",
+            )
+
+
+def _check_head(qcfg: Mapping[str, Any], groups: Mapping[str, TensorGroup], tensors: Mapping[str, TensorInfo]) -> None:
+    head_bits = qcfg.get("head_bits")
+    if head_bits is None:
+        return
+    if head_bits == 16:
+        if "lm_head" in groups:
+            raise CheckpointError(groups["lm_head"].file, "lm_head", "an unquantized lm_head (head_bits 16)", "EXL3 tensors")
+    elif "lm_head" in groups and groups["lm_head"].bits != head_bits:
+        raise CheckpointError(
+            groups["lm_head"].file, "lm_head.trellis", f"head_bits {head_bits} (config.json)", f"{groups['lm_head'].bits:g} bits"
+        )
+    elif "lm_head" not in groups and "lm_head.weight" not in tensors and not qcfg.get("tie_word_embeddings"):
+        raise CheckpointError(SINGLE_FILE, "lm_head", f"lm_head tensors (head_bits {head_bits})", "none")
+
+
+def read(path: str | Path) -> Manifest:
+    """Read and check a checkpoint directory. Raises CheckpointError; loads no weights."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(str(root), None, "a checkpoint directory", "no such directory")
+    config = _read_json(root / CONFIG_FILE, "the model's config.json")
+    if not isinstance(config, dict):
+        raise CheckpointError(CONFIG_FILE, None, "a JSON object", type(config).__name__)
+    qcfg = config.get("quantization_config")
+    if not isinstance(qcfg, dict) or qcfg.get("quant_method") != "exl3":
+        found = qcfg.get("quant_method") if isinstance(qcfg, dict) else "no quantization_config"
+        raise CheckpointError(
+            CONFIG_FILE, "quantization_config.quant_method", '"exl3"', repr(found),
+            hint="this is not an EXL3 checkpoint; convert it with exllamav3 or pick an EXL3 repo",
+        )
+    architectures = config.get("architectures")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise CheckpointError(CONFIG_FILE, "architectures", "a list naming the model class", repr(architectures))
+
+    tensors = _read_tensors(root)
+    by_prefix: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
+    for name, info in tensors.items():
+        prefix, _, suffix = name.rpartition(".")
+        if suffix in GROUP_SUFFIXES and prefix:
+            by_prefix[prefix][suffix] = info
+    groups: dict[str, TensorGroup] = {}
+    grouped: set[str] = set()
+    for prefix, parts in sorted(by_prefix.items()):
+        if "trellis" not in parts:
+            stray = sorted(set(parts) - {"bias"})
+            if stray:  # scales or a marker without their trellis: a broken group, not plain tensors
+                raise CheckpointError(parts[stray[0]].file, f"{prefix}.trellis", f"a trellis beside {prefix}.{stray[0]}", "missing")
+            continue
+        if f"{prefix}.weight" in tensors:
+            raise CheckpointError(parts["trellis"].file, f"{prefix}.weight", "no dense weight beside an EXL3 trellis", "both")
+        groups[prefix] = _build_group(root, prefix, parts, config)
+        grouped.update(groups[prefix].tensors)
+
+    qconfig_path = root / QUANT_CONFIG_FILE
+    if qconfig_path.exists():
+        qfile = _read_json(qconfig_path, "quantization_config.json")
+        if not isinstance(qfile, dict):
+            raise CheckpointError(QUANT_CONFIG_FILE, None, "a JSON object", type(qfile).__name__)
+        _check_declared_bits(qfile.get("tensor_storage", {}), groups)
+    _check_uniform_experts(groups)
+    _check_head({**qcfg, "tie_word_embeddings": config.get("tie_word_embeddings")}, groups, tensors)
+    if not groups:
+        raise CheckpointError(str(root), None, "at least one EXL3 tensor group", "none (no *.trellis tensors)")
+
+    files = tuple(sorted({t.file for t in tensors.values()}))
+    return Manifest(
+        path=root,
+        config=MappingProxyType(config),
+        quantization_config=MappingProxyType(qcfg),
+        architecture=architectures[0],
+        quantized=MappingProxyType(groups),
+        unquantized=MappingProxyType({n: t for n, t in sorted(tensors.items()) if n not in grouped}),
+        files=files,
+        bytes_on_disk=sum((root / f).stat().st_size for f in files),
+        weight_bytes=sum(t.nbytes for t in tensors.values()),
+        bits_histogram=MappingProxyType(dict(Counter(g.bits for g in groups.values()))),
+    )
