@@ -25,6 +25,9 @@ class EnvVar:
 
 HOST = EnvVar("EXL3LOCAL_HOST", "127.0.0.1:11435", "daemon API address; loopback by default")
 TRACE_PATHS = EnvVar("EXL3LOCAL_TRACE_PATHS", "0", "print one line per EXL3 kernel path the first time it runs")
+TRACE_DIR = EnvVar(
+    "EXL3LOCAL_TRACE_DIR", "", "where vLLM processes write kernel-path counters (default: <runtime dir>/kernel-paths)"
+)
 DECODE_ONCE = EnvVar(
     "EXL3LOCAL_DECODE_ONCE", "0", "plugin: keep a dense copy of each weight after the first decode (CPU speed-up, more memory)"
 )
@@ -34,4 +37,4 @@ DISABLED_KERNELS = EnvVar(
 # Triton's own switch, read here so kernel choice knows Triton will run in its CPU interpreter (CI).
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's: run Triton kernels in its CPU interpreter")
 
-ALL: tuple[EnvVar, ...] = (HOST, TRACE_PATHS, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET)
+ALL: tuple[EnvVar, ...] = (HOST, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET)
