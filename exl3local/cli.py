@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from exl3local import pull
 from exl3local.errors import Exl3Error
 
 Handler = Callable[[argparse.Namespace], int]
@@ -29,6 +30,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 # Each entry adds one subcommand; the owning module keeps its handler beside it.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_inspect,
+    pull.add_subcommands,  # pull, list, rm
 ]
 
 

@@ -1,0 +1,613 @@
+"""`exl3local pull/list/rm`: EXL3 models from the Hugging Face hub, checked before any weight byte moves.
+
+A pull, with the real huggingface_hub client (its cache, token and HF_* variables):
+1. resolve REPO:REVISION to a commit; everything after is pinned to that commit;
+2. list the tree at the commit, fetch config.json / quantization_config.json / the index into memory and read
+   each safetensors header with two HTTP range reads (length, then exactly the header);
+3. run `manifest.read` on a header-only replica (sparse files of the real size), then the architecture check
+   against the installed vLLM, the fit check (`--force` skips only this one) and the disk check;
+4. download each LFS file into `<repo cache>/.exl3local-staging/<etag>.part` (kept on Ctrl-C or a dropped
+   connection; the next pull resumes it with a Range request), check its sha256, rename it into `blobs/`;
+5. `snapshot_download` at the commit links those blobs and fetches the small files; checksums of every file
+   and `manifest.read` of the real snapshot;
+6. write `<repo cache>/.exl3local/<commit>.json` atomically. Only this record makes a model pulled: `list`,
+   `rm` and `up` read records, so a partial download is never listed or served as complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from exl3local.errors import CheckpointError, ConfigError, Exl3Error
+
+if TYPE_CHECKING:
+    from exl3local.manifest import Manifest
+
+RECORD_DIR = ".exl3local"
+STAGING_DIR = ".exl3local-staging"
+# Leave room beside the model: the hub cache shares the disk with everything else.
+DISK_MARGIN_BYTES = 1 << 30
+# A real header is a few MiB; larger is a corrupt length field (manifest.MAX_HEADER_BYTES agrees).
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+SMALL_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
+HASH_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """REPO[:REVISION] (also REPO@REVISION, the daemon API's spelling); the revision defaults to main."""
+
+    repo_id: str
+    revision: str = "main"
+
+    @classmethod
+    def parse(cls, text: str) -> ModelRef:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        repo_id, sep, revision = text.partition(":") if ":" in text else text.partition("@")
+        if sep and not revision:
+            raise ConfigError(f"{text!r}: empty revision after {sep!r}", hint="write REPO:REVISION, e.g. org/model:4.0bpw")
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as err:
+            raise ConfigError(f"{text!r} is not a hub repo: {err}", hint="write REPO[:REVISION], e.g. org/model:4.0bpw") from None
+        if "/" not in repo_id:
+            raise ConfigError(f"{text!r} is not a hub repo", hint="hub repos are ORG/NAME, e.g. turboderp/Qwen3-8B-exl3")
+        return cls(repo_id, revision or "main")
+
+    def __str__(self) -> str:
+        return f"{self.repo_id}:{self.revision}"
+
+
+@dataclass(frozen=True)
+class PulledModel:
+    """The record of a complete, verified pull (`<repo cache>/.exl3local/<commit>.json`)."""
+
+    repo_id: str
+    revision: str
+    commit: str
+    path: str  # the snapshot directory in the hub cache
+    size_bytes: int
+    bits: float | None
+    head_bits: float | None
+    architecture: str
+    pulled_at: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.repo_id}:{self.revision}"
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    path: str
+    size: int
+    blob_id: str  # git sha1 of the file (of the LFS pointer for LFS files)
+    sha256: str | None  # LFS files only
+
+    @property
+    def lfs(self) -> bool:
+        return self.sha256 is not None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What preflight found: the pinned commit, its files, and the manifest of its headers."""
+
+    ref: ModelRef
+    commit: str
+    files: tuple[RemoteFile, ...]
+    manifest: Manifest
+    missing_bytes: int  # what the download still has to transfer (partial .part files count as done)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+# ---------------------------------------------------------------------------------------------
+# the hub cache and our records in it
+
+
+def hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).expanduser()
+
+
+def repo_folder(repo_id: str) -> Path:
+    from huggingface_hub.file_download import repo_folder_name
+
+    return hub_cache() / repo_folder_name(repo_id=repo_id, repo_type="model")
+
+
+def records() -> list[PulledModel]:
+    """Complete pulls whose snapshot is still in the cache (e.g. not removed by `hf cache rm`)."""
+    out = []
+    for record in sorted(hub_cache().glob(f"models--*/{RECORD_DIR}/*.json")):
+        model = PulledModel(**json.loads(record.read_text()))
+        if Path(model.path).is_dir():
+            out.append(model)
+    return out
+
+
+def find(ref: ModelRef) -> PulledModel | None:
+    """The newest complete pull of REPO at REVISION (a branch, a tag or a commit)."""
+    matches = [
+        m for m in records()
+        if m.repo_id == ref.repo_id and ref.revision in (m.revision, m.commit)
+    ]  # fmt: skip
+    return max(matches, key=lambda m: m.pulled_at, default=None)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _record(model: PulledModel) -> Path:
+    return repo_folder(model.repo_id) / RECORD_DIR / f"{model.commit}.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# preflight: everything that can be checked without weights
+
+
+def _hub_error(ref: ModelRef, err: Exception) -> Exl3Error:
+    """Turn huggingface_hub's errors into one clear line with a next step."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    if isinstance(err, RevisionNotFoundError):
+        return Exl3Error(f"{ref.repo_id} has no revision {ref.revision!r}", hint="EXL3 repos keep one branch per bit rate; check the repo's branches")
+    if isinstance(err, GatedRepoError):
+        return Exl3Error(f"{ref.repo_id} is gated", hint="accept its terms on the hub, then `hf auth login`")
+    if isinstance(err, RepositoryNotFoundError):
+        return Exl3Error(f"{ref.repo_id}: no such repo on the hub (or it is private)", hint="check the name; for a private repo, `hf auth login`")
+    if isinstance(err, OfflineModeIsEnabled):
+        return Exl3Error(f"{ref} is not pulled and HF_HUB_OFFLINE is set", hint="unset HF_HUB_OFFLINE to download it")
+    return Exl3Error(f"{ref}: the hub could not be reached ({type(err).__name__}: {err})", hint="check the network or HF_ENDPOINT, then pull again")
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> bytes:
+    from huggingface_hub import get_session, hf_raise_for_status
+    from huggingface_hub.utils import build_hf_headers
+
+    response = get_session().get(url, headers={**build_hf_headers(), **(headers or {})}, follow_redirects=True)
+    hf_raise_for_status(response)
+    return response.content
+
+
+def _read_remote_header(url: str, name: str, size: int) -> bytes:
+    """The 8-byte length and the JSON header of a remote safetensors file, and not one byte more."""
+    if size < 8:
+        raise CheckpointError(name, None, "a safetensors file of at least 8 bytes", f"{size} bytes")
+    length = int.from_bytes(_get(url, {"Range": "bytes=0-7"})[:8], "little")
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise CheckpointError(name, None, f"a header of at most {min(size - 8, MAX_HEADER_BYTES)} bytes", f"a declared header length of {length}")
+    header = _get(url, {"Range": f"bytes=8-{7 + length}"})
+    if len(header) != length:
+        raise CheckpointError(name, None, f"{length} header bytes", f"{len(header)} (the server ignored the Range request?)")
+    return length.to_bytes(8, "little") + header
+
+
+def _write_replica(root: Path, name: str, head: bytes, size: int) -> None:
+    """A sparse file of the real size holding only the header, so `manifest.read` sees the true layout.
+
+    manifest.read also reads the 4-byte codebook markers, which are tensor data, not header. The replica
+    carries the value each marker's name stands for; the real values are checked after the download,
+    by `manifest.read` on the snapshot, before the model is recorded.
+    """
+    from exl3local.manifest import MARKER_VALUES
+
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        header = json.loads(head[8:])
+    except ValueError:
+        header = None  # manifest.read reports it, naming the file
+    with path.open("wb") as f:
+        f.write(head)
+        for tensor, entry in header.items() if isinstance(header, dict) else ():
+            codebook = tensor.rpartition(".")[2]
+            if codebook in MARKER_VALUES and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list):
+                f.seek(len(head) + int(entry["data_offsets"][0]))
+                f.write(MARKER_VALUES[codebook].to_bytes(4, "little"))
+        f.truncate(size)
+
+
+def known_architectures() -> frozenset[str]:
+    """Model classes the installed vLLM can serve (imports vLLM's registry: a few seconds, once)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    return frozenset(ModelRegistry.get_supported_archs())
+
+
+def resolve(ref: ModelRef) -> str:
+    """The commit REVISION names now (one API call). Everything after is pinned to it."""
+    import httpx2
+    from huggingface_hub import HfApi
+
+    try:
+        commit = HfApi().repo_info(ref.repo_id, revision=ref.revision).sha
+    except (httpx2.HTTPError, OSError) as err:
+        raise _hub_error(ref, err) from None
+    if commit is None:
+        raise Exl3Error(f"{ref}: the hub named no commit for this revision", hint="check that HF_ENDPOINT points at a hub")
+    return commit
+
+
+def preflight(
+    ref: ModelRef,
+    commit: str,
+    *,
+    architectures: Callable[[], frozenset[str]] = known_architectures,
+) -> Plan:
+    """List, read the headers and check them. Transfers no weight bytes; writes nothing to the cache."""
+    import httpx2
+    from huggingface_hub import HfApi, hf_hub_url
+    from huggingface_hub.hf_api import RepoFile
+
+    from exl3local import manifest as manifest_mod
+
+    try:
+        files = tuple(
+            RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
+            for f in HfApi().list_repo_tree(ref.repo_id, recursive=True, revision=commit)
+            if isinstance(f, RepoFile)
+        )
+    except (httpx2.HTTPError, OSError) as err:
+        raise _hub_error(ref, err) from None
+    by_name = {f.path: f for f in files}
+    if "config.json" not in by_name:
+        raise CheckpointError(
+            "config.json", None, "a model config in the repo", "none", hint=f"{ref} is not a model checkpoint; nothing was downloaded"
+        )
+
+    def url(name: str) -> str:
+        return hf_hub_url(ref.repo_id, name, revision=commit)
+
+    with tempfile.TemporaryDirectory(prefix="exl3local-preflight-") as tmp:
+        root = Path(tmp)
+        try:
+            for name in SMALL_FILES:
+                if name in by_name:
+                    (root / name).write_bytes(_get(url(name)))
+            _check_config(root / "config.json")
+            for f in files:
+                if f.path.endswith(".safetensors"):
+                    _write_replica(root, f.path, _read_remote_header(url(f.path), f.path, f.size), f.size)
+        except (httpx2.HTTPError, OSError) as err:
+            raise _hub_error(ref, err) from None
+        try:
+            manifest = manifest_mod.read(root)
+        except CheckpointError as err:
+            err.hint = err.hint or f"{ref} was refused before download; nothing was downloaded"
+            raise
+    if manifest.architecture not in architectures():
+        raise CheckpointError(
+            "config.json", "architectures", "a model class the installed vLLM knows", manifest.architecture,
+            hint="upgrade vLLM, or pick a model of a supported architecture; nothing was downloaded",
+        )
+    return Plan(ref, commit, files, manifest, _missing_bytes(ref.repo_id, files))
+
+
+def _check_config(path: Path) -> None:
+    """Refuse a non-EXL3 repo from its config alone, before any safetensors header is read."""
+    try:
+        qcfg = json.loads(path.read_text()).get("quantization_config")
+    except (ValueError, AttributeError) as err:
+        raise CheckpointError("config.json", None, "a JSON object", f"unreadable ({err})") from None
+    method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
+    if method != "exl3":
+        raise CheckpointError(
+            "config.json", "quantization_config.quant_method", '"exl3"', repr(method) if method else "no quantization_config",
+            hint="this is not an EXL3 checkpoint (exl3local serves EXL3 only); nothing was downloaded",
+        )
+
+
+def _missing_bytes(repo_id: str, files: tuple[RemoteFile, ...]) -> int:
+    folder = repo_folder(repo_id)
+    missing = 0
+    for f in files:
+        key = f.sha256 or f.blob_id
+        if (folder / "blobs" / key).exists():
+            continue
+        part = folder / STAGING_DIR / f"{key}.part"
+        missing += f.size - (part.stat().st_size if part.exists() else 0)
+    return missing
+
+
+def check_disk(plan: Plan, free_bytes: Callable[[Path], int] | None = None) -> None:
+    """The download must fit the disk of the hub cache with DISK_MARGIN_BYTES to spare."""
+    cache = hub_cache()
+    probe = cache if cache.exists() else next(p for p in cache.parents if p.exists())
+    free = free_bytes(probe) if free_bytes else shutil.disk_usage(probe).free
+    if plan.missing_bytes + DISK_MARGIN_BYTES > free:
+        raise Exl3Error(
+            f"{plan.ref} needs {_human(plan.missing_bytes)} plus {_human(DISK_MARGIN_BYTES)} to spare, "
+            f"but {probe} has {_human(free)} free",
+            hint="free some space (`exl3local list`, `exl3local rm NAME`) or set HF_HUB_CACHE to a larger disk",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# download, verify, record
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One pull per repo at a time: two writers appending to one .part would corrupt it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Exl3Error(f"another pull of this repo is running (lock {path})", hint="wait for it to finish") from None
+        yield
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _git_sha1(path: Path) -> str:
+    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download_lfs(ref: ModelRef, commit: str, f: RemoteFile, folder: Path) -> None:
+    """One LFS file into staging (resuming a kept .part), sha256-checked, then renamed into blobs/."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    meta = get_hf_file_metadata(hf_hub_url(ref.repo_id, f.path, revision=commit))
+    blob = folder / "blobs" / meta.etag
+    if blob.exists():
+        return
+    part = folder / STAGING_DIR / f"{meta.etag}.part"
+    headers = build_hf_headers()
+    if _origin(meta.location) != _origin(hf_hub_url(ref.repo_id, f.path, revision=commit)):
+        headers.pop("authorization", None)  # a signed CDN URL: the token stays on the hub
+    with part.open("ab") as out:
+        if out.tell() > f.size:  # longer than the file can be: not a prefix of it
+            out.truncate(0)
+        http_get(meta.location, out, resume_size=out.tell(), headers=headers, expected_size=f.size, displayed_filename=f.path)
+    found = _sha256(part)
+    if found != f.sha256:
+        part.unlink()
+        raise CheckpointError(
+            f.path, None, f"sha256 {f.sha256} (the hub's)", f"sha256 {found}",
+            hint="the download was corrupted in transit and has been deleted; run the pull again",
+        )
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(part, 0o644 & ~_umask())
+    os.replace(part, blob)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme, parts.hostname or "", parts.port
+
+
+def _verify_snapshot(snapshot: Path, files: tuple[RemoteFile, ...], checked: set[str]) -> None:
+    """Every file of the commit is in the snapshot with the hub's checksum (LFS blobs hashed once)."""
+    for f in files:
+        path = snapshot / f.path
+        if not path.is_file():
+            raise CheckpointError(f.path, None, "the file in the downloaded snapshot", "missing", hint="run the pull again")
+        if f.lfs and path.resolve().name in checked:
+            continue
+        algorithm, expected = ("sha256", f.sha256) if f.lfs else ("git-sha1", f.blob_id)
+        found = _sha256(path) if f.lfs else _git_sha1(path)
+        if found != expected:
+            blob = path.resolve()
+            path.unlink()
+            blob.unlink(missing_ok=True)
+            raise CheckpointError(
+                f.path, None, f"{algorithm} {expected} (the hub's)", f"{algorithm} {found}",
+                hint="the download was corrupted and has been deleted; run the pull again",
+            )
+
+
+def fetch(plan: Plan, *, progress: bool = True) -> PulledModel:
+    """Download what preflight approved, verify it, and record it. Resumable; records only when complete."""
+    import httpx2
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    from exl3local import manifest as manifest_mod
+
+    ref, folder = plan.ref, repo_folder(plan.ref.repo_id)
+    if not progress:
+        disable_progress_bars()
+    with _locked(folder / STAGING_DIR / "pull.lock"):
+        try:
+            for f in plan.files:
+                if f.lfs:
+                    _download_lfs(ref, plan.commit, f, folder)
+            snapshot = Path(snapshot_download(ref.repo_id, revision=plan.commit))
+        except (httpx2.HTTPError, OSError) as err:
+            done = plan.total_bytes - _missing_bytes(ref.repo_id, plan.files)
+            raise Exl3Error(
+                f"{ref}: download interrupted after {_human(done)} of {_human(plan.total_bytes)} ({type(err).__name__}: {err})",
+                hint=f"run `exl3local pull {ref}` again: it resumes where it stopped",
+            ) from None
+        _verify_snapshot(snapshot, plan.files, {f.sha256 for f in plan.files if f.lfs})
+        manifest_mod.read(snapshot)  # the real headers and codebook markers, before the record exists
+        if ref.revision != plan.commit:
+            # Documented cache layout: refs/<branch> holds the commit; `hf cache` shows it and won't prune it.
+            _write_atomic(folder / "refs" / ref.revision, plan.commit)
+        q = plan.manifest.quantization_config
+        model = PulledModel(
+            repo_id=ref.repo_id,
+            revision=ref.revision,
+            commit=plan.commit,
+            path=str(snapshot),
+            size_bytes=plan.total_bytes,
+            bits=q.get("bits"),
+            head_bits=q.get("head_bits"),
+            architecture=plan.manifest.architecture,
+            pulled_at=time.time(),
+        )
+        _write_atomic(_record(model), json.dumps(asdict(model), indent=1))
+    shutil.rmtree(folder / STAGING_DIR, ignore_errors=True)
+    return model
+
+
+def pull(
+    ref: ModelRef,
+    *,
+    force: bool = False,
+    fit_check: Callable[[Manifest], None] | None = None,
+    free_bytes: Callable[[Path], int] | None = None,
+    architectures: Callable[[], frozenset[str]] = known_architectures,
+    confirm: Callable[[Plan], bool] | None = None,
+    progress: bool = True,
+) -> PulledModel:
+    """The whole pull: offline → the record or an error; online → preflight, checks, fetch.
+
+    `fit_check` raises BudgetError when the model cannot fit this machine; `force` skips only it.
+    `confirm` sees the plan (sizes) before the download and may decline it.
+    """
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        model = find(ref)
+        if model is None:
+            raise Exl3Error(f"{ref} is not pulled and HF_HUB_OFFLINE is set", hint="unset HF_HUB_OFFLINE to download it")
+        return model
+    commit = resolve(ref)
+    existing = find(ModelRef(ref.repo_id, commit))
+    if existing is not None:
+        return existing
+    plan = preflight(ref, commit, architectures=architectures)
+    if fit_check is not None and not force:
+        fit_check(plan.manifest)
+    check_disk(plan, free_bytes)
+    if confirm is not None and not confirm(plan):
+        raise Exl3Error(f"{ref}: download declined", hint=f"run `exl3local pull {ref}` when ready")
+    return fetch(plan, progress=progress)
+
+
+def remove(model: PulledModel) -> int:
+    """Delete one pulled revision from the hub cache (blobs another revision uses stay). Returns bytes freed."""
+    from huggingface_hub import scan_cache_dir
+
+    strategy = scan_cache_dir(hub_cache()).delete_revisions(model.commit)
+    freed = strategy.expected_freed_size
+    strategy.execute()
+    _record(model).unlink(missing_ok=True)
+    ref = repo_folder(model.repo_id) / "refs" / model.revision
+    if ref.is_file() and ref.read_text().strip() == model.commit:
+        ref.unlink()
+    return freed
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    ref = ModelRef.parse(args.model)
+    model = pull(ref, force=args.force, progress=not args.quiet)
+    print(f"{model.name} ({model.commit[:12]}, {_human(model.size_bytes)}) → {model.path}")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    models = records()
+    if args.json:
+        print(json.dumps([asdict(m) for m in models], indent=2))
+        return 0
+    rows = [("NAME", "COMMIT", "BPW", "SIZE", "ARCHITECTURE")]
+    rows += [(m.name, m.commit[:12], f"{m.bits:g}" if m.bits else "?", _human(m.size_bytes), m.architecture) for m in models]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    ref = ModelRef.parse(args.model)
+    every_revision = ":" not in args.model and "@" not in args.model
+    matches = [
+        m for m in records()
+        if m.repo_id == ref.repo_id and (every_revision or ref.revision in (m.revision, m.commit))
+    ]  # fmt: skip
+    if not matches:
+        raise ConfigError(f"{args.model}: not pulled", hint="`exl3local list` shows what is")
+    for m in matches:
+        if not args.yes:
+            try:
+                answer = input(f"Remove {m.name} ({m.commit[:12]}, {_human(m.size_bytes)})? [y/N] ")
+            except EOFError:
+                answer = ""
+            if answer.strip().lower() not in {"y", "yes"}:
+                print(f"kept {m.name}")
+                continue
+        print(f"removed {m.name}, freed {_human(remove(m))}")
+    return 0
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pull", help="download an EXL3 model from the Hugging Face hub, checked before download")
+    p.add_argument("model", metavar="REPO[:REVISION]", help="e.g. turboderp/Qwen3-8B-exl3:4.0bpw")
+    p.add_argument("--force", action="store_true", help="pull even if the model does not fit this machine")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(handler=_cmd_pull)
+    p = sub.add_parser("list", help="list pulled models")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_cmd_list)
+    p = sub.add_parser("rm", help="remove a pulled model from the hub cache")
+    p.add_argument("model", metavar="REPO[:REVISION]", help="without a revision: every pulled revision of REPO")
+    p.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    p.set_defaults(handler=_cmd_rm)

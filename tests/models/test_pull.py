@@ -1,0 +1,250 @@
+"""`exl3local pull/list/rm` with the real huggingface_hub client against the fake hub on 127.0.0.1 (conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from exl3local import pull as pull_mod
+from exl3local.errors import BudgetError, CheckpointError, ConfigError, Exl3Error
+from exl3local.pull import ModelRef
+
+TINY = "turboderp-test/tiny-llama-exl3"
+PADDED = "turboderp-test/tiny-llama-exl3-padded"  # 27 MB of weights: more than one 10 MiB write chunk
+KNOWN = frozenset({"LlamaForCausalLM", "Qwen3MoeForCausalLM"})
+
+
+def _pull(text: str, **kwargs):
+    kwargs.setdefault("architectures", lambda: KNOWN)
+    kwargs.setdefault("progress", False)
+    return pull_mod.pull(ModelRef.parse(text), **kwargs)
+
+
+def _cdn_gets(hub) -> list:
+    return [e for e in hub.log if e.server == "cdn" and e.method == "GET"]
+
+
+def _cli(env: dict[str, str], *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-P", "-m", "exl3local", *args],
+        env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
+    )
+
+
+# -- REPO[:REVISION] ------------------------------------------------------------------------------
+
+
+def test_ref_parses_colon_and_at_and_defaults_to_main():
+    assert ModelRef.parse("org/m:4.0bpw") == ModelRef("org/m", "4.0bpw")
+    assert ModelRef.parse("org/m@2.5bpw") == ModelRef("org/m", "2.5bpw")
+    assert ModelRef.parse("org/m") == ModelRef("org/m", "main")
+    for bad in ("noslash", "org/m:", "a/b/c", "org/bad name"):
+        with pytest.raises(ConfigError):
+            ModelRef.parse(bad)
+
+
+# -- a good pull ------------------------------------------------------------------------------------
+
+
+def test_pull_pins_the_commit_downloads_each_weight_byte_once_and_records(hub, hub_env, hub_repos):
+    model = _pull(f"{TINY}:4.0bpw")
+    files = hub_repos.files[TINY]["4.0bpw"]
+    commit = hub.repos[TINY]["refs"]["4.0bpw"]
+    assert (model.commit, model.bits, model.architecture) == (commit, 4.0, "LlamaForCausalLM")
+    snapshot = Path(model.path)
+    assert snapshot.name == commit and snapshot.parent.name == "snapshots"
+    for name, data in files.items():
+        assert (snapshot / name).read_bytes() == data
+    weights = len(files["model.safetensors"])
+    header_end = 8 + int.from_bytes(files["model.safetensors"][:8], "little")
+    assert hub.weight_bytes_sent(TINY) == weights - header_end  # once, no re-download by snapshot_download
+    # every request after the first resolve names the commit, never the branch (no moving target)
+    resolves = [e.path for e in hub.log if "/resolve/" in e.path]
+    assert resolves and all(f"/resolve/{commit}/" in p for p in resolves)
+    assert (pull_mod.repo_folder(TINY) / "refs" / "4.0bpw").read_text() == commit
+    assert [m.name for m in pull_mod.records()] == [f"{TINY}:4.0bpw"]
+    assert not (pull_mod.repo_folder(TINY) / pull_mod.STAGING_DIR).exists()
+
+
+def test_second_pull_only_resolves_the_revision(hub, hub_env):
+    first = _pull(f"{TINY}:4.0bpw")
+    hub.log.clear()
+    assert _pull(f"{TINY}:4.0bpw") == first
+    assert [e.path for e in hub.log if not e.path.startswith("/api/agent")] == [f"/api/models/{TINY}/revision/4.0bpw"]
+
+
+# -- refusals before download ---------------------------------------------------------------------
+
+
+def test_non_exl3_repo_is_refused_before_any_safetensors_byte(hub, hub_env):
+    with pytest.raises(CheckpointError) as err:
+        _pull("other/tiny-llama-bf16")
+    assert "exl3" in str(err.value) and "nothing was downloaded" in err.value.hint
+    assert _cdn_gets(hub) == []  # not even a header range read
+    assert not pull_mod.repo_folder("other/tiny-llama-bf16").exists()  # nothing written to the cache
+
+
+@pytest.mark.parametrize(
+    ("repo", "says"),
+    [("other/tiny-llama-missing-tensor", ".suh"), ("other/tiny-llama-garbage-header", "JSON")],
+)
+def test_corrupt_header_is_refused_from_range_reads_alone(hub, hub_env, repo, says):
+    with pytest.raises(CheckpointError) as err:
+        _pull(repo)
+    assert says in str(err.value)
+    assert hub.weight_bytes_sent(repo) == 0
+    assert all(e.range for e in _cdn_gets(hub))  # header reads only
+    assert not pull_mod.repo_folder(repo).exists()
+
+
+def test_architecture_unknown_to_the_installed_vllm_is_refused(hub, hub_env):
+    with pytest.raises(CheckpointError) as err:
+        _pull("other/tiny-llama-alien-arch", architectures=pull_mod.known_architectures)  # the real registry
+    assert "NoSuchModelForCausalLM" in str(err.value)
+    assert hub.weight_bytes_sent("other/tiny-llama-alien-arch") == 0
+
+
+def test_fit_check_refuses_and_force_overrides_only_it(hub, hub_env):
+    def too_big(manifest):
+        raise BudgetError(f"{manifest.architecture} does not fit")
+
+    with pytest.raises(BudgetError):
+        _pull(f"{TINY}:4.0bpw", fit_check=too_big)
+    assert hub.weight_bytes_sent(TINY) == 0
+    with pytest.raises(Exl3Error, match="free"):
+        _pull(f"{TINY}:4.0bpw", fit_check=too_big, force=True, free_bytes=lambda path: 1 << 20)
+    assert hub.weight_bytes_sent(TINY) == 0
+    assert _pull(f"{TINY}:4.0bpw", fit_check=too_big, force=True).bits == 4.0
+
+
+def test_missing_repo_and_revision_have_clear_errors(hub, hub_env):
+    with pytest.raises(Exl3Error, match="no such repo"):
+        _pull("nobody/nothing")
+    with pytest.raises(Exl3Error, match="no revision '9.0bpw'"):
+        _pull(f"{TINY}:9.0bpw")
+
+
+def test_declined_confirmation_downloads_nothing_and_shows_the_size(hub, hub_env):
+    seen = []
+    with pytest.raises(Exl3Error, match="declined"):
+        _pull(f"{TINY}:4.0bpw", confirm=lambda plan: seen.append(plan.missing_bytes) or False)
+    assert seen and seen[0] >= 3_000_000
+    assert hub.weight_bytes_sent(TINY) == 0
+
+
+# -- integrity and resume -------------------------------------------------------------------------
+
+
+def test_checksum_mismatch_is_detected_deleted_and_not_recorded(hub, hub_env):
+    hub.corrupt.add("model.safetensors")
+    with pytest.raises(CheckpointError, match="sha256") as err:
+        _pull(f"{TINY}:4.0bpw")
+    assert "deleted" in err.value.hint
+    folder = pull_mod.repo_folder(TINY)
+    assert pull_mod.records() == []
+    assert not any((folder / "blobs").glob("*")) and not any((folder / pull_mod.STAGING_DIR).glob("*.part"))
+    hub.corrupt.clear()
+    assert _pull(f"{TINY}:4.0bpw").bits == 4.0
+
+
+def _weight_gets(hub) -> list:
+    """CDN GETs that are not the two header range reads."""
+    return [e for e in _cdn_gets(hub) if not (e.range or "").startswith(("bytes=0-7", "bytes=8-"))]
+
+
+def test_dropped_connection_resumes_with_a_range_request(hub, hub_env, hub_repos):
+    data = hub_repos.files[PADDED]["main"]["model.safetensors"]
+    hub.drop_after["model.safetensors"] = 15_000_000
+    model = _pull(PADDED)
+    # huggingface_hub writes in 10 MiB chunks; the part of a chunk in flight when the connection died is re-sent
+    written = 10 << 20
+    assert [e.range for e in _weight_gets(hub)] == [None, f"bytes={written}-"]
+    assert sum(e.end - e.start for e in _weight_gets(hub)) == len(data) + 15_000_000 - written
+    assert (Path(model.path) / "model.safetensors").read_bytes() == data
+
+
+def test_interrupted_pull_is_not_listed_and_resumes_after_ctrl_c(hub, hub_env, hub_repos):
+    data = hub_repos.files[PADDED]["main"]["model.safetensors"]
+    hub.throttle_bps = 8_000_000  # ~3.5 s for the 27 MB of weights
+    proc = _cli(hub_env, "pull", PADDED, "--quiet")
+    staging = pull_mod.repo_folder(PADDED) / pull_mod.STAGING_DIR
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(p.stat().st_size > 0 for p in staging.glob("*.part")):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    (part,) = staging.glob("*.part")
+    kept = part.stat().st_size
+    assert 0 < kept < len(data) and part.read_bytes() == data[:kept]
+    assert pull_mod.records() == []
+    listed = _cli(hub_env, "list").communicate(timeout=60)[0]
+    assert PADDED not in listed
+
+    hub.throttle_bps = None
+    hub.log.clear()
+    model = _pull(PADDED)
+    (resumed,) = _weight_gets(hub)
+    assert resumed.range == f"bytes={kept}-" and resumed.end - resumed.start == len(data) - kept
+    assert (Path(model.path) / "model.safetensors").read_bytes() == data
+
+
+def test_concurrent_pull_of_the_same_repo_is_refused(hub, hub_env):
+    lock = pull_mod.repo_folder(TINY) / pull_mod.STAGING_DIR / "pull.lock"
+    with pull_mod._locked(lock), pytest.raises(Exl3Error, match="another pull"):
+        _pull(f"{TINY}:4.0bpw")
+
+
+# -- offline, list, rm ------------------------------------------------------------------------------
+
+
+def test_offline_mode_serves_pulled_models_without_a_request(hub, hub_env, monkeypatch):
+    from huggingface_hub import constants
+
+    pulled = _pull(f"{TINY}:4.0bpw")
+    hub.log.clear()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert _pull(f"{TINY}:4.0bpw") == pulled
+    assert _pull(f"{TINY}:{pulled.commit}") == pulled
+    with pytest.raises(Exl3Error, match="HF_HUB_OFFLINE"):
+        _pull(f"{TINY}:2.5bpw")
+    assert hub.log == []
+
+
+def test_rm_frees_one_revision_and_keeps_the_other(hub, hub_env):
+    four = _pull(f"{TINY}:4.0bpw")
+    two = _pull(f"{TINY}:2.5bpw")
+    proc = _cli(hub_env, "rm", f"{TINY}:4.0bpw", stdin=subprocess.PIPE)
+    out, err = proc.communicate("y\n", timeout=60)
+    assert proc.returncode == 0, err
+    assert "freed 3.0 MiB" in out  # 4.0bpw weights + configs; the shared tokenizer stays
+    assert not Path(four.path).exists() and (Path(two.path) / "model.safetensors").is_file()
+    assert not (pull_mod.repo_folder(TINY) / "refs" / "4.0bpw").exists()
+    assert [m.name for m in pull_mod.records()] == [f"{TINY}:2.5bpw"]
+
+
+def test_rm_asks_and_keeps_on_no(hub, hub_env):
+    _pull(f"{TINY}:4.0bpw")
+    proc = _cli(hub_env, "rm", TINY, stdin=subprocess.PIPE)
+    out, _ = proc.communicate("n\n", timeout=60)
+    assert "kept" in out and len(pull_mod.records()) == 1
+
+
+def test_list_shows_name_bpw_and_size(hub, hub_env):
+    _pull(f"{TINY}:2.5bpw")
+    _pull("turboderp-test/tiny-qwen3moe-exl3:4.0bpw")
+    out, err = _cli(hub_env, "list").communicate(timeout=60)
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "COMMIT", "BPW", "SIZE", "ARCHITECTURE"], err
+    assert lines[1].split()[0::2] == [f"{TINY}:2.5bpw", "2.5", "MiB"]
+    assert "Qwen3MoeForCausalLM" in lines[2]
+    as_json = json.loads(_cli(hub_env, "list", "--json").communicate(timeout=60)[0])
+    assert {m["revision"] for m in as_json} == {"2.5bpw", "4.0bpw"}
