@@ -344,6 +344,15 @@ def _missing_bytes(repo_id: str, files: tuple[RemoteFile, ...]) -> int:
     return missing
 
 
+def fits_this_machine(manifest: Manifest) -> None:
+    """BudgetError unless the model fits the profile `up` would pick here now (pinned, else detected)."""
+    from exl3local import budget, daemon, hardware
+
+    gpu, _ = hardware.choose(hardware.probe())
+    profile, _ = daemon.select_profile(None, {}, gpu, hardware.dmi_product())
+    budget.compute(gpu, budget.MemorySnapshot.now(), manifest, profile)
+
+
 def check_disk(plan: Plan, free_bytes: Callable[[Path], int] | None = None) -> None:
     """The download must fit the disk of the hub cache with DISK_MARGIN_BYTES to spare."""
     cache = hub_cache()
@@ -558,18 +567,34 @@ def _human(n: float) -> str:
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     ref = ModelRef.parse(args.model)
-    model = pull(ref, force=args.force, progress=not args.quiet)
+    model = pull(ref, force=args.force, fit_check=fits_this_machine, progress=not args.quiet)
     print(f"{model.name} ({model.commit[:12]}, {_human(model.size_bytes)}) → {model.path}")
     return 0
+
+
+def _fits(model: PulledModel) -> str:
+    from exl3local import manifest
+    from exl3local.errors import BudgetError
+
+    try:
+        fits_this_machine(manifest.read(model.path))
+    except BudgetError:
+        return "no"
+    except Exl3Error:
+        return "?"
+    return "yes"
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
     models = records()
     if args.json:
-        print(json.dumps([asdict(m) for m in models], indent=2))
+        print(json.dumps([{**asdict(m), "fits": _fits(m)} for m in models], indent=2))
         return 0
-    rows = [("NAME", "COMMIT", "BPW", "SIZE", "ARCHITECTURE")]
-    rows += [(m.name, m.commit[:12], f"{m.bits:g}" if m.bits else "?", _human(m.size_bytes), m.architecture) for m in models]
+    rows = [("NAME", "COMMIT", "BPW", "SIZE", "FITS", "ARCHITECTURE")]
+    rows += [
+        (m.name, m.commit[:12], f"{m.bits:g}" if m.bits else "?", _human(m.size_bytes), _fits(m), m.architecture)
+        for m in models
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -601,10 +626,10 @@ def _cmd_rm(args: argparse.Namespace) -> int:
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pull", help="download an EXL3 model from the Hugging Face hub, checked before download")
     p.add_argument("model", metavar="REPO[:REVISION]", help="e.g. turboderp/Qwen3-8B-exl3:4.0bpw")
-    p.add_argument("--force", action="store_true", help="pull even if the model does not fit this machine")
+    p.add_argument("--force", action="store_true", help="pull even if the model does not fit this machine's profile")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=_cmd_pull)
-    p = sub.add_parser("list", help="list pulled models")
+    p = sub.add_parser("list", help="list pulled models; FITS: does it fit the profile `up` would use here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_cmd_list)
     p = sub.add_parser("rm", help="remove a pulled model from the hub cache")

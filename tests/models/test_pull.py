@@ -243,8 +243,9 @@ def test_list_shows_name_bpw_and_size(hub, hub_env):
     _pull("turboderp-test/tiny-qwen3moe-exl3:4.0bpw")
     out, err = _cli(hub_env, "list").communicate(timeout=60)
     lines = out.splitlines()
-    assert lines[0].split() == ["NAME", "COMMIT", "BPW", "SIZE", "ARCHITECTURE"], err
-    assert lines[1].split()[0::2] == [f"{TINY}:2.5bpw", "2.5", "MiB"]
+    assert lines[0].split() == ["NAME", "COMMIT", "BPW", "SIZE", "FITS", "ARCHITECTURE"], err
+    assert lines[1].split()[0::2] == [f"{TINY}:2.5bpw", "2.5", "MiB", "LlamaForCausalLM"]
+    assert lines[1].split()[5] == "yes"  # a 3 MB model fits any profile's budget
     assert "Qwen3MoeForCausalLM" in lines[2]
     as_json = json.loads(_cli(hub_env, "list", "--json").communicate(timeout=60)[0])
-    assert {m["revision"] for m in as_json} == {"2.5bpw", "4.0bpw"}
+    assert {(m["revision"], m["fits"]) for m in as_json} == {("2.5bpw", "yes"), ("4.0bpw", "yes")}
