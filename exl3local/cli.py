@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from exl3local import pull
+from exl3local import control, pull
 from exl3local.errors import Exl3Error
 
 Handler = Callable[[argparse.Namespace], int]
@@ -31,6 +31,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_inspect,
     pull.add_subcommands,  # pull, list, rm
+    control.add_subcommands,  # up, down, status, logs, profile, doctor, daemon
 ]
 
 

@@ -37,4 +37,14 @@ DISABLED_KERNELS = EnvVar(
 # Triton's own switch, read here so kernel choice knows Triton will run in its CPU interpreter (CI).
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's: run Triton kernels in its CPU interpreter")
 
-ALL: tuple[EnvVar, ...] = (HOST, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET)
+ENGINE_PORT = EnvVar("EXL3LOCAL_ENGINE_PORT", "11436", "port of vLLM's OpenAI endpoint on 127.0.0.1 (`up --port` overrides)")
+ENGINE_PYTHON = EnvVar("EXL3LOCAL_ENGINE_PYTHON", "", "interpreter that runs vLLM (default: the daemon's own)")
+SYSFS = EnvVar("EXL3LOCAL_SYSFS", "/sys", "sysfs root for GPU detection (tests point it at fixture trees)")
+STALL_TIMEOUT = EnvVar(
+    "EXL3LOCAL_STALL_TIMEOUT", "300", "seconds a loading engine may go without output or /health before it is restarted"
+)
+
+ALL: tuple[EnvVar, ...] = (
+    HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT,
+    TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET,
+)

