@@ -1,0 +1,271 @@
+"""Exl3LinearMethod: EXL3 trellis weights inside vLLM's linear layers (and a quantized lm_head).
+
+Checkpoint layout (format spec §1.4, §6), per part P of a layer, with k/n padded to 128:
+
+    P.trellis  int16 (k/16, n/16, 16*bits)     P.suh fp16 (k,)     P.svh fp16 (n,)     [P.mul1|P.mcg int32 ()]
+
+Layer layout here: one flat arena per tensor kind and layer (`trellis`, `suh`, `svh`, one marker
+vector per codebook), each part a view into it. Fused vLLM layers (qkv_proj from q/k/v, gate_up_proj
+from gate/up) keep every part separate: the parts share the input but each has its own suh, so each
+needs its own input transform H(x ⊙ suh_part) (spec §6); bits may differ between parts too.
+
+Padding: the vLLM layer sees unpadded sizes. apply() zero-pads x to the padded k and trims each
+part's output to its unpadded n. Tensor parallelism slices the trellis in whole 128-blocks (spec §6
+"Tensor-parallel slicing"); splits that are not 128-aligned are refused with the sizes involved.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from exl3local import env, kernels
+from exl3local.errors import CheckpointError, ConfigError
+from exl3local.kernels import reference
+from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_cols, hadamard_rows
+from exl3local.manifest import MARKER_VALUES, TensorGroup
+from exl3local.plugin import trace
+
+logger = logging.getLogger("exl3local.plugin")
+
+TILE = reference.TILE
+DECODE_ONCE_PATH = "decode_once"  # trace path name of the opt-in dense copy (not a KernelPath)
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """One checkpoint tensor group as this rank stores it: the slice it owns and where it lives."""
+
+    group: TensorGroup
+    index: int
+    k_range: tuple[int, int]  # padded input rows of the checkpoint tensor held here
+    n_range: tuple[int, int]  # padded output columns held here
+    out_features: int  # unpadded output width this part contributes to the layer's output
+    trellis_offset: int  # into the flat trellis arena (int16 words)
+    svh_offset: int  # into the flat svh arena
+
+    @property
+    def size_k(self) -> int:
+        return self.k_range[1] - self.k_range[0]
+
+    @property
+    def size_n(self) -> int:
+        return self.n_range[1] - self.n_range[0]
+
+    @property
+    def trellis_shape(self) -> tuple[int, int, int]:
+        return (self.size_k // TILE, self.size_n // TILE, reference.words_per_tile(self.group.bits))
+
+    @property
+    def trellis_words(self) -> int:
+        a, b, c = self.trellis_shape
+        return a * b * c
+
+
+def _split_range(what: str, prefix: str, local: int, padded: int, rank: int, size: int) -> tuple[int, int]:
+    """The padded range rank `rank` of `size` holds when vLLM gives it `local` unpadded features."""
+    if size == 1:
+        if not padded - HADAMARD_BLOCK < local <= padded:
+            raise CheckpointError(
+                prefix, None, f"{what} features padded from vLLM's {local} up to a multiple of 128", str(padded)
+            )
+        return 0, padded
+    if local % HADAMARD_BLOCK:
+        raise ConfigError(
+            f"{prefix}: tensor parallelism {size} splits {what} features into {local} per rank, which is not a "
+            f"multiple of 128; EXL3 weights split only at 128-blocks",
+            hint="serve with a tensor-parallel size that keeps every per-rank slice a multiple of 128",
+        )
+    start, end = rank * local, (rank + 1) * local
+    if end > padded:
+        raise CheckpointError(prefix, None, f"at least {end} {what} features for rank {rank}", str(padded))
+    return start, end
+
+
+class Exl3LinearMethod(LinearMethodBase):
+    """An EXL3 linear: compressed trellis in memory, one kernel choice per part at load time."""
+
+    def __init__(self, config, prefix: str, groups: list[TensorGroup]) -> None:
+        super().__init__()
+        self.config = config
+        self.prefix = prefix
+        self.groups = groups
+
+    # -- weights
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        if len(output_partition_sizes) != len(self.groups):
+            raise CheckpointError(
+                self.config._file(), self.prefix, f"{len(output_partition_sizes)} parts for vLLM's layer",
+                f"{len(self.groups)} ({[g.prefix for g in self.groups]})",
+            )
+        if getattr(layer, "has_bias", False) != any(g.has_bias for g in self.groups):
+            raise CheckpointError(
+                self.config._file(), f"{self.prefix}.bias", f"bias={getattr(layer, 'has_bias', False)} (model config)",
+                f"bias={any(g.has_bias for g in self.groups)} in the checkpoint",
+            )
+        tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+        split_in = tp_size > 1 and input_size_per_partition != input_size
+        split_out = tp_size > 1 and not split_in and sum(output_partition_sizes) != output_size
+        parts, trellis_words, svh_size = [], 0, 0
+        k_local = None
+        for i, (group, n_local) in enumerate(zip(self.groups, output_partition_sizes, strict=True)):
+            k_range = _split_range(
+                "input", group.prefix, input_size_per_partition, group.size_k, tp_rank if split_in else 0,
+                tp_size if split_in else 1,
+            )
+            out_rank = tp_rank
+            if split_out and i > 0 and getattr(layer, "num_kv_head_replicas", 1) > 1:
+                out_rank = tp_rank // layer.num_kv_head_replicas  # k/v heads replicated across ranks
+            n_range = _split_range(
+                "output", group.prefix, n_local, group.size_n, out_rank if split_out else 0, tp_size if split_out else 1
+            )
+            part = PartLayout(group, i, k_range, n_range, n_local, trellis_words, svh_size)
+            if k_local is not None and part.size_k != k_local:
+                raise CheckpointError(self.config._file(), group.prefix, f"padded k {k_local} like its siblings", str(part.size_k))
+            k_local = part.size_k
+            parts.append(part)
+            trellis_words += part.trellis_words
+            svh_size += part.size_n
+        layer.exl3_parts = parts
+        layer.exl3_in_features = input_size_per_partition
+        layer.exl3_loaded = set()
+
+        def register(name: str, tensor: torch.Tensor) -> None:
+            param = torch.nn.Parameter(tensor, requires_grad=False)
+            set_weight_attrs(param, {"weight_loader": self._loader(layer, name)})
+            layer.register_parameter(name, param)
+
+        register("trellis", torch.empty(trellis_words, dtype=torch.int16))
+        register("suh", torch.empty(len(parts) * k_local, dtype=torch.float16))
+        register("svh", torch.empty(svh_size, dtype=torch.float16))
+        for codebook in sorted({g.codebook for g in self.groups} & set(MARKER_VALUES)):
+            register(codebook, torch.zeros(len(parts), dtype=torch.int32))
+        layer.exl3_act_dtype = params_dtype
+
+    def _loader(self, layer: torch.nn.Module, kind: str):
+        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None, *args, **kwargs) -> None:
+            part = layer.exl3_parts[self._part_index(layer, shard_id)]
+            self._load_part(layer, param, kind, part, loaded_weight)
+            layer.exl3_loaded.add((kind, part.index))
+
+        return load
+
+    def _part_index(self, layer: torch.nn.Module, shard_id) -> int:
+        n = len(layer.exl3_parts)
+        if shard_id is None:
+            if n != 1:
+                raise CheckpointError(
+                    self.config._file(), self.prefix, "EXL3 parts stored separately (q/k/v, gate/up)", "a fused tensor"
+                )
+            return 0
+        if isinstance(shard_id, str):
+            index = {"q": 0, "k": 1, "v": 2}.get(shard_id)
+        elif isinstance(shard_id, int):
+            index = shard_id
+        else:
+            index = None  # a tuple: several parts in one checkpoint tensor, which EXL3 never writes
+        if index is None or not 0 <= index < n:
+            raise CheckpointError(self.config._file(), self.prefix, f"a part index below {n}", repr(shard_id))
+        return index
+
+    def _load_part(self, layer, param, kind: str, part: PartLayout, w: torch.Tensor) -> None:
+        g = part.group
+        if kind == "trellis":
+            expected = (g.size_k // TILE, g.size_n // TILE, reference.words_per_tile(g.bits))
+            self._check(g, kind, w, expected, torch.int16)
+            (k0, k1), (n0, n1) = part.k_range, part.n_range
+            dst = param.data[part.trellis_offset : part.trellis_offset + part.trellis_words].view(part.trellis_shape)
+            dst.copy_(w[k0 // TILE : k1 // TILE, n0 // TILE : n1 // TILE])
+        elif kind == "suh":
+            self._check(g, kind, w, (g.size_k,), torch.float16)
+            k_local = part.size_k
+            param.data[part.index * k_local : (part.index + 1) * k_local].copy_(w[part.k_range[0] : part.k_range[1]])
+        elif kind == "svh":
+            self._check(g, kind, w, (g.size_n,), torch.float16)
+            param.data[part.svh_offset : part.svh_offset + part.size_n].copy_(w[part.n_range[0] : part.n_range[1]])
+        else:  # a codebook marker: its value is the codebook's multiplier (spec §1.4)
+            value = int(w.reshape(()).item()) & 0xFFFFFFFF
+            if g.codebook != kind or value != MARKER_VALUES[kind]:
+                raise CheckpointError(
+                    g.file, f"{g.prefix}.{kind}", f"{g.codebook} (marker 0x{MARKER_VALUES.get(g.codebook, 0):08X})",
+                    f"{kind} marker 0x{value:08X}",
+                )
+            param.data[part.index] = w.reshape(()).to(torch.int32)
+
+    def _check(self, g: TensorGroup, kind: str, w: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if tuple(w.shape) != shape or w.dtype != dtype:
+            raise CheckpointError(
+                g.file, f"{g.prefix}.{kind}", f"{dtype} {list(shape)} (as the header said)", f"{w.dtype} {list(w.shape)}"
+            )
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        required = {("trellis", p.index) for p in layer.exl3_parts}
+        required |= {("suh", p.index) for p in layer.exl3_parts} | {("svh", p.index) for p in layer.exl3_parts}
+        required |= {(p.group.codebook, p.index) for p in layer.exl3_parts if p.group.codebook in MARKER_VALUES}
+        missing = sorted(required - layer.exl3_loaded)
+        if missing:
+            kind, index = missing[0]
+            g = layer.exl3_parts[index].group
+            raise CheckpointError(g.file, f"{g.prefix}.{kind}", "the tensor to be loaded", f"never loaded ({len(missing)} missing)")
+        device = layer.trellis.device
+        layer.exl3_kernels = []
+        for part in layer.exl3_parts:
+            spec = kernels.KernelSpec(part.size_k, part.size_n, part.group.bits, part.group.codebook, layer.exl3_act_dtype)
+            kernel = kernels.prepare(spec, device)
+            layer.exl3_kernels.append(kernel)
+            trace.note_layer(type(kernel).__name__)
+        layer.exl3_dense = None
+        if env.DECODE_ONCE.get_bool():
+            layer.exl3_dense = self.dense_weight(layer).to(layer.exl3_act_dtype)
+            trace.set_flag("decode_once", True)
+            logger.warning("exl3: %s keeps a dense copy (EXL3LOCAL_DECODE_ONCE=1)", self.prefix)
+
+    # -- views
+    @staticmethod
+    def part_tensors(layer: torch.nn.Module, part: PartLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        trellis = layer.trellis[part.trellis_offset : part.trellis_offset + part.trellis_words].view(part.trellis_shape)
+        suh = layer.suh[part.index * part.size_k : (part.index + 1) * part.size_k]
+        svh = layer.svh[part.svh_offset : part.svh_offset + part.size_n]
+        return trellis, suh, svh
+
+    def dense_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+        """The layer's weight as nn.Linear holds it (out, in), fp32: W = diag(suh)·Hk·Ŵ·Hn·diag(svh), trimmed."""
+        rows = []
+        for part in layer.exl3_parts:
+            trellis, suh, svh = self.part_tensors(layer, part)
+            w_inner = reference.decode_trellis(trellis, part.group.bits, part.group.codebook).float()
+            w = hadamard_rows(hadamard_cols(w_inner) * suh.float()[:, None]) * svh.float()[None, :]
+            rows.append(w[: layer.exl3_in_features, : part.out_features].t())
+        return torch.cat(rows, 0)
+
+    # -- forward
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if layer.exl3_dense is not None:
+            trace.count(DECODE_ONCE_PATH, rows)
+            return F.linear(x, layer.exl3_dense, bias)
+        parts = layer.exl3_parts
+        trace.count(layer.exl3_kernels[0].path_for(rows), rows)
+        pad = parts[0].size_k - x.shape[-1]
+        xp = F.pad(x, (0, pad)) if pad else x
+        outs = []
+        for part, kernel in zip(parts, layer.exl3_kernels, strict=True):
+            trellis, suh, svh = self.part_tensors(layer, part)
+            y = kernel.apply(xp, trellis, suh, svh)
+            outs.append(y[..., : part.out_features] if part.size_n != part.out_features else y)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out + bias if bias is not None else out

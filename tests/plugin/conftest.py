@@ -1,0 +1,236 @@
+"""Fixtures for the plugin tests: EXL3 configs over the tiny fixtures, and real vLLM servers.
+
+A served model costs ~25 s and ~2 GiB, so each test module that needs one shares it through a
+module-scoped fixture, and modules stop their server before the next one starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exl3local import launch
+
+READY_TIMEOUT_S = 300  # a cold first start of a new architecture adds a registry subprocess (~10 s)
+KV_BYTES = "64M"
+MAX_MODEL_LEN = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """vLLM's OpenAI server for one checkpoint, started through exl3local's launcher module."""
+
+    def __init__(self, model: Path, log: Path, trace_dir: Path, extra_env: dict[str, str] | None = None) -> None:
+        self.model = model
+        self.name = model.name
+        self.port = free_port()
+        self.log = log
+        self.trace_dir = trace_dir
+        self.tmpdir = tempfile.mkdtemp(prefix="exl3-vllm-")
+        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+        self.vocab_size = vocab
+        self.argv = [
+            sys.executable, "-P", "-m", "exl3local.launch", "serve", str(model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.name,
+            "--quantization", "exl3", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+            "--kv-cache-memory-bytes", KV_BYTES, "--max-logprobs", str(vocab),
+        ]  # fmt: skip
+        if not launch.has_chat_template(model):  # as the daemon does: a plain ChatML for base models
+            self.argv += ["--chat-template", str(launch.FALLBACK_CHAT_TEMPLATE)]
+        self.env = {
+            **os.environ,
+            "VLLM_PLUGINS": "exl3",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TMPDIR": self.tmpdir,
+            "EXL3LOCAL_TRACE_DIR": str(trace_dir),
+            "EXL3LOCAL_TRACE_PATHS": "1",
+            **(extra_env or {}),
+        }
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Server:
+        self._out = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, cwd=self.tmpdir, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return self
+
+    def wait_ready(self) -> Server:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM not ready after {READY_TIMEOUT_S} s:\n{self.tail()}")
+
+    def wait_exit(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def tail(self, size: int = 8000) -> str:
+        self._out.flush()
+        return self.log.read_bytes()[-size:].decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._out.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def post(self, path: str, body: dict) -> dict:
+        r = httpx.post(f"{self.base}{path}", json={"model": self.name, **body}, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory):
+    """Start one server per (module, model); returns a function model_dir -> ready Server."""
+    started: list[Server] = []
+
+    def start(model: Path, extra_env: dict[str, str] | None = None) -> Server:
+        root = tmp_path_factory.mktemp(f"serve-{model.name}")
+        server = Server(model, root / "vllm.log", root / "trace", extra_env).start()
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_copy(tmp_path_factory: pytest.TempPathFactory, tiny_models):
+    """A writable copy of a tiny model, to corrupt."""
+
+    def copy(name: str) -> Path:
+        dst = tmp_path_factory.mktemp("copy") / name
+        shutil.copytree(tiny_models[name], dst)
+        return dst
+
+    return copy
+
+
+def iter_sequences(oracle: dict) -> Iterator[str]:
+    """Every sequence in an oracle file (public or held out): the `seqN` prefixes, in order."""
+    return iter(sorted({k.split(".", 1)[0] for k in oracle}, key=lambda s: int(s.removeprefix("seq"))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Oracle match: teacher-forced logits and greedy continuations against exllamav3's
+
+
+MARGIN_GATE = 0.1  # top-1 must agree wherever the oracle's top-1/top-2 logit margin is at least this
+MEAN_KL_GATE = 0.01  # nats, KL(oracle || ours) averaged over positions
+
+
+class OracleMatch:
+    """Checks a served model against an oracle file; generic over whatever sequences the file has."""
+
+    def __init__(self, server: Server, oracle_file: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.server = server
+        self.oracle = load_file(oracle_file)
+        self.sequences = list(iter_sequences(self.oracle))
+
+    def teacher_forced(self, seq: str):
+        """Our log-probabilities (L, vocab) for the oracle's L positions (position i predicts token i+1).
+
+        The prompt is the sequence plus the oracle's first greedy token, so vLLM's prompt logprobs cover
+        the last position too.
+        """
+        import torch
+
+        ids = self.oracle[f"{seq}.input_ids"].tolist()
+        prompt = ids + [int(self.oracle[f"{seq}.greedy_tokens"][0])]
+        vocab = self.server.vocab_size
+        out = self.server.post(
+            "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": vocab}
+        )
+        rows = out["choices"][0]["prompt_logprobs"][1:]
+        assert len(rows) == len(ids)
+        ours = torch.full((len(ids), vocab), float("-inf"))
+        for i, row in enumerate(rows):
+            for token, entry in row.items():
+                ours[i, int(token)] = entry["logprob"]
+        return ours
+
+    def greedy(self, seq: str) -> list[int]:
+        ids = self.oracle[f"{seq}.input_ids"].tolist()
+        n = len(self.oracle[f"{seq}.greedy_tokens"])
+        out = self.server.post(
+            "/v1/completions",
+            {"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+        )
+        return list(out["choices"][0]["token_ids"])
+
+    def logit_report(self, seq: str) -> dict:
+        import torch
+
+        ours = self.teacher_forced(seq)
+        logits = self.oracle[f"{seq}.logits"].float()[:, : self.server.vocab_size]
+        ref = torch.log_softmax(logits, -1)
+        kl = (ref.exp() * (ref - ours)).sum(-1)
+        top2 = logits.topk(2, -1).values
+        margin = top2[:, 0] - top2[:, 1]
+        gated = margin >= MARGIN_GATE
+        agree = ours.argmax(-1) == logits.argmax(-1)
+        return {
+            "mean_kl": kl.mean().item(),
+            "max_kl": kl.max().item(),
+            "gated_positions": int(gated.sum()),
+            "gated_disagreements": [int(i) for i in torch.nonzero(gated & ~agree).flatten()],
+            "top1_agreement": agree.float().mean().item(),
+        }
+
+    def greedy_report(self, seq: str) -> dict:
+        """Steps compared until the paths part at a near tie (margin < gate); a part elsewhere fails."""
+        ours = self.greedy(seq)
+        oracle = self.oracle[f"{seq}.greedy_tokens"].tolist()
+        margins = self.oracle[f"{seq}.greedy_margins"].tolist()
+        compared, mismatch = 0, None
+        for step, (a, b, m) in enumerate(zip(ours, oracle, margins, strict=True)):
+            if a != b:
+                if m >= MARGIN_GATE:
+                    mismatch = step
+                break
+            compared += 1
+        return {"ours": ours, "oracle": oracle, "compared": compared, "mismatch_step": mismatch}
+
+
+@pytest.fixture(scope="session")
+def oracle_match_cls() -> type[OracleMatch]:
+    return OracleMatch
