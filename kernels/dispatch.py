@@ -133,8 +133,15 @@ class TorchReferenceKernel(Exl3Kernel):
         return reference.linear(x, trellis, suh, svh, self.spec.bits, self.spec.codebook, bias)
 
 
+# Row-count crossovers of TritonLinearKernel. Measured on the H200 by bench/kernels.py (docs/PERF.md);
+# unmeasured on Arc, where the same constants are a first guess.
+GEMV_MAX_ROWS = 16  # decode-in-registers kernel with one 16-row dot tile (or broadcast FMAs at 1 row)
+RECONSTRUCT_MIN_ROWS = 256  # from here a dense fp16 W + vendor matmul beats on-chip decode per row tile
+
+
 class TritonLinearKernel(Exl3Kernel):
-    """Triton: GEMV (decode in registers) for few rows, on-chip-decoded GEMM for many (triton_gemv/gemm.py)."""
+    """Triton: GEMV (Ŵ decoded in registers) for few rows, on-chip-decode GEMM for more, dense
+    reconstruct + vendor matmul for prefill (triton_gemv.py / triton_gemm.py)."""
 
     backend = "triton"
 
@@ -147,13 +154,39 @@ class TritonLinearKernel(Exl3Kernel):
             return "Triton on CPU tensors runs only in its interpreter (TRITON_INTERPRET=1)"
         if device.backend not in ("cuda", "xpu", "cpu"):
             return f"no Triton backend for device type {device.backend!r}"
-        return "Triton kernels are not written yet (issue 5 in progress)"
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return f"triton is not importable: {exc}"
+        return None
 
     def path_for(self, rows: int) -> KernelPath:
-        return KernelPath.GEMV
+        if rows <= GEMV_MAX_ROWS:
+            return KernelPath.GEMV
+        if rows < RECONSTRUCT_MIN_ROWS:
+            return KernelPath.GEMM
+        return KernelPath.RECONSTRUCT_GEMM
 
     def apply(self, x, trellis, suh, svh, bias=None):
-        raise NotImplementedError
+        from exl3local.kernels import triton_gemm, triton_gemv
+
+        spec = self.spec
+        if x.shape[-1] != spec.size_k:
+            raise ValueError(f"x has {x.shape[-1]} input features, the layer expects {spec.size_k}")
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, spec.size_k)
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        path = self.path_for(x2d.shape[0])
+        if x2d.shape[0] == 0:
+            y = x2d.new_empty(0, spec.size_n)
+        elif path is KernelPath.GEMV:
+            y = triton_gemv.gemv(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
+        elif path is KernelPath.GEMM:
+            y = triton_gemm.gemm(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
+        else:
+            y = triton_gemm.reconstruct_gemm(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
+        return y.reshape(*lead, spec.size_n)
 
 
 # Per device type, best first. On CPU the interpreter exists for correctness tests only and the

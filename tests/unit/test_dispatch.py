@@ -58,8 +58,11 @@ def test_format_violations_are_refused_by_every_kernel():
 
 def test_env_disables_kernels(monkeypatch):
     monkeypatch.setenv("EXL3LOCAL_DISABLED_KERNELS", "TorchReferenceKernel, Other")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(NoKernelError):
         prepare(KernelSpec(128, 256, 4, "mul1"), "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter makes Triton the CPU fallback
+    assert isinstance(prepare(KernelSpec(128, 256, 4, "mul1"), "cpu"), TritonLinearKernel)
 
 
 def test_bad_backend_name_is_a_value_error():
