@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from exl3local import control, pull
+from exl3local import control, pull, service
 from exl3local.errors import Exl3Error
 
 Handler = Callable[[argparse.Namespace], int]
@@ -32,6 +32,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_inspect,
     pull.add_subcommands,  # pull, list, rm
     control.add_subcommands,  # up, down, status, logs, profile, doctor, daemon
+    service.add_subcommands,  # service install|uninstall|status
 ]
 
 
