@@ -40,11 +40,14 @@ TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's: run Triton kernels
 ENGINE_PORT = EnvVar("EXL3LOCAL_ENGINE_PORT", "11436", "port of vLLM's OpenAI endpoint on 127.0.0.1 (`up --port` overrides)")
 ENGINE_PYTHON = EnvVar("EXL3LOCAL_ENGINE_PYTHON", "", "interpreter that runs vLLM (default: the daemon's own)")
 SYSFS = EnvVar("EXL3LOCAL_SYSFS", "/sys", "sysfs root for GPU detection (tests point it at fixture trees)")
+ENGINE_PARENT = EnvVar(
+    "EXL3LOCAL_ENGINE_PARENT", "", "internal: the daemon's pid, set for the engine launcher so it dies with the daemon"
+)
 STALL_TIMEOUT = EnvVar(
     "EXL3LOCAL_STALL_TIMEOUT", "300", "seconds a loading engine may go without output or /health before it is restarted"
 )
 
 ALL: tuple[EnvVar, ...] = (
-    HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT,
+    HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, ENGINE_PARENT,
     TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET,
 )

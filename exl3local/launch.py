@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from exl3local import env
+
 PLUGIN_NAME = "exl3"  # the vllm.general_plugins entry point; VLLM_PLUGINS allow-lists it alone
-PARENT_PID_ENV = "EXL3LOCAL_ENGINE_PARENT"  # set for the launcher only: it dies with the daemon
+TRACE_DIR_ENV = env.TRACE_DIR.name
+PARENT_PID_ENV = env.ENGINE_PARENT.name
 FALLBACK_CHAT_TEMPLATE = Path(__file__).resolve().parent / "demo" / "chat_template.jinja"
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
@@ -113,6 +116,8 @@ def build(
         "VLLM_PLUGINS": PLUGIN_NAME,
         "HF_HUB_OFFLINE": "1",  # a local directory: nothing to fetch, and no surprise downloads
         "TMPDIR": tmpdir,
+        # kernel-path counters of this engine only; they go with its TMPDIR
+        TRACE_DIR_ENV: str(Path(tmpdir) / "kernel-paths"),
         PARENT_PID_ENV: str(parent_pid if parent_pid is not None else os.getpid()),
     })
     return LaunchSpec(argv=tuple(argv), env=env, host=host, port=port, served_model_name=name, tmpdir=tmpdir)

@@ -299,7 +299,7 @@ class Supervisor:
     async def _watch(self, proc: Process) -> tuple[str, int | None]:
         """STARTING until /health answers, then READY until the process exits."""
         reader = asyncio.create_task(self._pump(proc))
-        exited = asyncio.ensure_future(proc.wait())
+        exited = asyncio.ensure_future(self._leader_exit(proc))
         try:
             while self.state == EngineState.STARTING:
                 done, _ = await asyncio.wait({exited}, timeout=self.policy.health_poll_s)
@@ -318,6 +318,14 @@ class Supervisor:
         finally:
             exited.cancel()
             reader.cancel()
+
+    async def _leader_exit(self, proc: Process) -> int:
+        """The leader's exit status. Not proc.wait(): on Python 3.11 that also waits for every
+        pipe to close, and after a kill -9 of the leader its EngineCore and workers still hold
+        stdout, so it would never return. returncode is set as soon as the child is reaped."""
+        while proc.returncode is None:
+            await asyncio.sleep(self.policy.health_poll_s)
+        return proc.returncode
 
     async def _pump(self, proc: Process) -> None:
         if proc.stdout is None:
@@ -354,8 +362,7 @@ class Supervisor:
 
     async def _end(self, proc: Process) -> None:
         killed = await self.kill_group(proc.pid, self.policy.stop_timeout_s)
-        if proc.returncode is None:
-            await proc.wait()
+        await self._leader_exit(proc)
         if killed:
             log.warning("engine group %d ignored SIGTERM for %.0f s: killed", proc.pid, self.policy.stop_timeout_s)
         shutil.rmtree(self.spec.tmpdir, ignore_errors=True)
