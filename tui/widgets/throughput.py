@@ -1,0 +1,96 @@
+"""Throughput panel: prompt/generation tokens per second as sparklines, queue and latency numbers."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.reactive import reactive
+from textual.widget import Widget
+from textual.widgets import Sparkline, Static
+
+from exl3local.metrics import MetricsSnapshot, rate_per_s
+
+# Two minutes at the default 1 s poll: enough to see a burst of requests and its tail.
+HISTORY_SAMPLES = 120
+NO_METRICS = Text("no metrics: the engine is not READY", style="dim")
+
+
+def human_latency(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+class ThroughputPanel(Widget):
+    """Feed it scrapes with `record`; it keeps the rate history and redraws."""
+
+    gen_tok_s: reactive[float | None] = reactive(None, init=False)
+    prompt_tok_s: reactive[float | None] = reactive(None, init=False)
+    snapshot: reactive[MetricsSnapshot | None] = reactive(None, init=False)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._gen_history: deque[float] = deque(maxlen=HISTORY_SAMPLES)
+        self._prompt_history: deque[float] = deque(maxlen=HISTORY_SAMPLES)
+        self._last: tuple[MetricsSnapshot, float] | None = None
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(classes="rate-row"):
+            yield Static("Generation", classes="rate-label")
+            yield Sparkline([], id="gen-spark")
+            yield Static("–", id="gen-rate", classes="rate-value")
+        with Horizontal(classes="rate-row"):
+            yield Static("Prompt", classes="rate-label")
+            yield Sparkline([], id="prompt-spark")
+            yield Static("–", id="prompt-rate", classes="rate-value")
+        yield Static(NO_METRICS, id="queue")
+
+    def record(self, snapshot: MetricsSnapshot, at_s: float) -> None:
+        """One scrape. Rates need two; the first only sets the baseline."""
+        if self._last is not None:
+            before, before_s = self._last
+            elapsed = at_s - before_s
+            self._gen_history.append(
+                rate_per_s(before.generation_tokens_total, snapshot.generation_tokens_total, elapsed)
+            )
+            self._prompt_history.append(rate_per_s(before.prompt_tokens_total, snapshot.prompt_tokens_total, elapsed))
+            self.gen_tok_s = self._gen_history[-1]
+            self.prompt_tok_s = self._prompt_history[-1]
+            self.query_one("#gen-spark", Sparkline).data = list(self._gen_history)
+            self.query_one("#prompt-spark", Sparkline).data = list(self._prompt_history)
+        self._last = (snapshot, at_s)
+        self.snapshot = snapshot
+
+    def watch_gen_tok_s(self, value: float | None) -> None:
+        self.query_one("#gen-rate", Static).update(_rate_text(value))
+
+    def watch_prompt_tok_s(self, value: float | None) -> None:
+        self.query_one("#prompt-rate", Static).update(_rate_text(value))
+
+    def watch_snapshot(self, snap: MetricsSnapshot | None) -> None:
+        if snap is None:
+            self.query_one("#queue", Static).update(NO_METRICS)
+            return
+        text = Text.assemble(
+            ("requests ", "bold"), f"running {snap.requests_running:.0f} · waiting {snap.requests_waiting:.0f}",
+            f" · done {snap.request_success_total:.0f} · preempted {snap.preemptions_total:.0f}\n",
+            ("tokens   ", "bold"), f"{snap.prompt_tokens_total:,.0f} prompt · {snap.generation_tokens_total:,.0f} generated\n",
+            ("TTFT     ", "bold"), f"p50 {human_latency(snap.ttft.quantile(0.5))} · p95 {human_latency(snap.ttft.quantile(0.95))}\n",
+            ("ITL      ", "bold"), f"p50 {human_latency(snap.itl.quantile(0.5))} · p95 {human_latency(snap.itl.quantile(0.95))}",
+            ("   (latencies since engine start)", "dim"),
+        )
+        self.query_one("#queue", Static).update(text)
+
+    def clear(self) -> None:
+        """The engine went away: its counters restart from zero, so drop the baseline too."""
+        self._last = None
+        self.gen_tok_s = None
+        self.prompt_tok_s = None
+        self.snapshot = None
+
+
+def _rate_text(value: float | None) -> Text:
+    return Text("–", style="dim") if value is None else Text(f"{value:8.1f} tok/s", style="bold")
