@@ -92,6 +92,12 @@ class PathCounters:
             self._flags[name] = value
             self._dirty = True
 
+    def add_flag(self, name: str, amount: int | float) -> None:
+        """Add to a numeric flag (e.g. bytes allocated by several layers)."""
+        with self._lock:
+            self._flags[name] = self._flags.get(name, 0) + amount
+            self._dirty = True
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
@@ -154,6 +160,10 @@ def note_layer(kernel: str) -> None:
 
 def set_flag(name: str, value: Any) -> None:
     counters().set_flag(name, value)
+
+
+def add_flag(name: str, amount: int | float) -> None:
+    counters().add_flag(name, amount)
 
 
 def read_all(directory: Path | None = None, live_only: bool = True) -> list[dict[str, Any]]:

@@ -1,0 +1,366 @@
+"""Exl3MoEMethod: routed experts kept as EXL3 trellises, and the MoE path ladder.
+
+Checkpoint layout (format spec §6): every routed expert's gate/up/down is its own EXL3 linear,
+`<layer>.experts.<e>.<gate|up|down>_proj.{trellis,suh,svh,<marker>}`. vLLM's RoutedExperts loader
+hands them to params named `w13_*` (gate = shard w1, up = shard w3) and `w2_*` (down). Here each
+tensor kind is ONE arena per layer, and no dense or fp16 expert weight is ever allocated:
+
+    w13_trellis int16 (E, gate_words + up_words)   per expert: gate (Hp/16, Ip/16, 16*bits_g), then up
+    w13_suh     fp16  (E, 2, Hp)                   gate's and up's own input scales (spec §6)
+    w13_svh     fp16  (E, 2, Ip)
+    w2_trellis  int16 (E, Ip/16, Hp/16, 16*bits_d) w2_suh fp16 (E, Ip)   w2_svh fp16 (E, Hp)
+    w13_<cb> / w2_<cb> int32 (E, 2) / (E,)         codebook markers, checked on load
+
+(Hp, Ip: hidden and intermediate sizes padded to 128; E: experts local to this rank.)
+
+apply() computes the routed contribution only (the router and shared experts stay with vLLM),
+accumulates in fp32 and weights each expert's down-projection output, not its input. It picks one
+of four paths by token count at a single selection point (`select_path`):
+
+    T == 1          MOE_DECODE    the token's top-k (token, expert) units, one row each
+    1 < T <= 4      MOE_VERIFY    speculative verify: independent M=1 units per token
+    4 < T <= 128    MOE_GROUPED   tokens binned per expert, one grouped GEMM per expert
+    T > 128         MOE_BATCHED   binned on the device (one host sync), dense per-expert matmuls
+
+There is no unquantized fallback: a path that cannot serve a call raises with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from exl3local import kernels
+from exl3local.errors import CheckpointError, ConfigError
+from exl3local.kernels import KernelPath, reference
+from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_cols, hadamard_rows
+from exl3local.manifest import MARKER_VALUES, TensorGroup
+from exl3local.plugin import trace
+
+logger = logging.getLogger("exl3local.plugin")
+
+TILE = reference.TILE
+# Speculative verify sends at most this many tokens per sequence step; each stays an M=1 unit.
+VERIFY_MAX_TOKENS = 4
+# Above this many tokens the dense per-expert reconstruction amortizes its decode over enough rows
+# to beat the grouped Hadamard-domain form (bench/moe_paths.py on the 2-core CPU: see issue-6 note).
+GROUPED_MAX_TOKENS = 128
+PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED, KernelPath.MOE_BATCHED)
+# vLLM's shard ids for the three projections: gate and up share the w13 params, down is w2.
+SHARDS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
+
+
+def select_path(tokens: int) -> KernelPath:
+    """The one place a path is chosen: by the number of tokens in the call."""
+    if tokens <= 0:
+        raise ValueError(f"an MoE call needs at least one token, got {tokens}")
+    if tokens == 1:
+        return KernelPath.MOE_DECODE
+    if tokens <= VERIFY_MAX_TOKENS:
+        return KernelPath.MOE_VERIFY
+    if tokens <= GROUPED_MAX_TOKENS:
+        return KernelPath.MOE_GROUPED
+    return KernelPath.MOE_BATCHED
+
+
+def path_refusal(path: KernelPath, tokens: int) -> str | None:
+    """Why `path` cannot serve a call of `tokens` tokens, or None."""
+    if path == KernelPath.MOE_DECODE and tokens != 1:
+        return f"{path} serves exactly one token, got {tokens}"
+    if path == KernelPath.MOE_VERIFY and not 1 <= tokens <= VERIFY_MAX_TOKENS:
+        return f"{path} serves 1..{VERIFY_MAX_TOKENS} tokens as independent M=1 units, got {tokens}"
+    if path not in PATHS:
+        return f"{path} is not an MoE path"
+    return None
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One projection (gate, up or down) across this rank's experts: shapes as stored here."""
+
+    name: str  # "gate" | "up" | "down"
+    bits: float
+    codebook: str
+    size_k: int  # padded input features held on this rank
+    size_n: int  # padded output features held on this rank
+    k_range: tuple[int, int]  # slice of the checkpoint tensor's padded inputs (tensor parallelism)
+    n_range: tuple[int, int]
+
+    @property
+    def words(self) -> int:
+        return (self.size_k // TILE) * (self.size_n // TILE) * reference.words_per_tile(self.bits)
+
+    @property
+    def trellis_shape(self) -> tuple[int, int, int]:
+        return (self.size_k // TILE, self.size_n // TILE, reference.words_per_tile(self.bits))
+
+
+def _uniform(config, groups: list[TensorGroup], name: str) -> TensorGroup:
+    """All experts' tensors of one projection must agree: one arena, one kernel (spec §6)."""
+    first = groups[0]
+    for g in groups[1:]:
+        if (g.bits, g.codebook, g.size_k, g.size_n) != (first.bits, first.codebook, first.size_k, first.size_n):
+            raise CheckpointError(
+                g.file, g.prefix,
+                f"{name} like {first.prefix}: {first.bits:g} bits, {first.codebook}, k={first.size_k}, n={first.size_n}",
+                f"{g.bits:g} bits, {g.codebook}, k={g.size_k}, n={g.size_n}",
+                hint="EXL3 routed experts need one K and codebook per projection across experts",
+            )
+    return first
+
+
+def _tp_range(prefix: str, what: str, local: int, padded: int, rank: int, size: int) -> tuple[int, int]:
+    if size == 1:
+        if not padded - HADAMARD_BLOCK < local <= padded:
+            raise CheckpointError(prefix, None, f"{what} {local} padded up to a multiple of 128", str(padded))
+        return 0, padded
+    if local % HADAMARD_BLOCK:
+        raise ConfigError(
+            f"{prefix}: tensor parallelism {size} gives each rank {local} {what} features of the routed experts, "
+            "not a multiple of 128; EXL3 experts split only at 128-blocks",
+            hint="use a tensor-parallel size that keeps the per-rank expert width a multiple of 128, or expert parallelism",
+        )
+    return rank * local, (rank + 1) * local
+
+
+class Exl3MoEMethod(FusedMoEMethodBase):
+    """Routed experts from EXL3 trellises: compressed arenas, the four-path ladder, fp32 accumulation."""
+
+    def __init__(self, config, layer: torch.nn.Module, prefix: str) -> None:
+        super().__init__(layer.moe_config)
+        self.config = config
+        self.prefix = prefix
+        self.ckpt_names = {
+            "gate": layer.ckpt_gate_proj_name,
+            "up": layer.ckpt_up_proj_name,
+            "down": layer.ckpt_down_proj_name,
+        }
+        if self.ckpt_names["up"] is None:
+            raise ConfigError(f"{prefix}: EXL3 MoE supports gated experts (gate/up/down) only")
+
+    # -- vLLM hooks
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        return None  # apply() runs our own kernels; vLLM's modular kernels never see these weights
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        activation = getattr(layer.moe_config.activation, "value", str(layer.moe_config.activation))
+        if activation != "silu":
+            raise ConfigError(f"{self.prefix}: EXL3 MoE implements the silu-gated experts only, not {activation!r}")
+        if getattr(layer, "apply_router_weight_on_input", False):
+            raise ConfigError(f"{self.prefix}: routing weights on the expert input are not supported (EXL3 weights the output)")
+        global_experts = extra_weight_attrs.get("global_num_experts", num_experts)
+        groups = self.config.groups()
+        per_proj: dict[str, TensorGroup] = {}
+        for proj, ckpt in self.ckpt_names.items():
+            members = []
+            for e in range(global_experts):
+                prefix = f"{self.prefix}.{e}.{ckpt}"
+                if prefix not in groups:
+                    raise CheckpointError(self.config._file(), f"{prefix}.trellis", "an EXL3 expert tensor group", "missing")
+                members.append(groups[prefix])
+            per_proj[proj] = _uniform(self.config, members, proj)
+        if per_proj["gate"].codebook != per_proj["up"].codebook:
+            raise CheckpointError(
+                per_proj["up"].file, per_proj["up"].prefix, f"the gate's codebook {per_proj['gate'].codebook}",
+                per_proj["up"].codebook,
+            )
+        if per_proj["gate"].size_k != per_proj["up"].size_k or per_proj["gate"].size_n != per_proj["up"].size_n:
+            raise CheckpointError(per_proj["up"].file, per_proj["up"].prefix, "gate's shape", "another shape")
+
+        par = layer.moe_config.moe_parallel_config
+        tp_rank, tp_size = (par.tp_rank, par.tp_size) if not par.use_ep else (0, 1)
+        proj = {}
+        for name in ("gate", "up"):
+            g = per_proj[name]
+            n_range = _tp_range(g.prefix, "intermediate", intermediate_size_per_partition, g.size_n, tp_rank, tp_size)
+            k_range = _tp_range(g.prefix, "hidden", hidden_size, g.size_k, 0, 1)
+            proj[name] = Projection(name, g.bits, g.codebook, k_range[1] - k_range[0], n_range[1] - n_range[0], k_range, n_range)
+        g = per_proj["down"]
+        k_range = _tp_range(g.prefix, "intermediate", intermediate_size_per_partition, g.size_k, tp_rank, tp_size)
+        n_range = _tp_range(g.prefix, "hidden", hidden_size, g.size_n, 0, 1)
+        proj["down"] = Projection("down", g.bits, g.codebook, k_range[1] - k_range[0], n_range[1] - n_range[0], k_range, n_range)
+        if proj["down"].size_k != proj["gate"].size_n:
+            raise CheckpointError(g.file, g.prefix, f"padded input {proj['gate'].size_n} (gate's output)", str(proj["down"].size_k))
+
+        layer.exl3_proj = proj
+        layer.exl3_groups = per_proj
+        layer.exl3_hidden = hidden_size
+        layer.exl3_loaded = set()
+        gate, up, down = proj["gate"], proj["up"], proj["down"]
+        E = num_experts
+
+        def register(name: str, tensor: torch.Tensor, stem: str) -> None:
+            param = torch.nn.Parameter(tensor, requires_grad=False)
+            set_weight_attrs(param, {"weight_loader": self._loader(layer, name.removeprefix(f"{stem}_"), stem)})
+            layer.register_parameter(name, param)
+
+        register("w13_trellis", torch.empty(E, gate.words + up.words, dtype=torch.int16), "w13")
+        register("w13_suh", torch.empty(E, 2, gate.size_k, dtype=torch.float16), "w13")
+        register("w13_svh", torch.empty(E, 2, gate.size_n, dtype=torch.float16), "w13")
+        register("w2_trellis", torch.empty(E, *down.trellis_shape, dtype=torch.int16), "w2")
+        register("w2_suh", torch.empty(E, down.size_k, dtype=torch.float16), "w2")
+        register("w2_svh", torch.empty(E, down.size_n, dtype=torch.float16), "w2")
+        if gate.codebook in MARKER_VALUES:
+            register(f"w13_{gate.codebook}", torch.zeros(E, 2, dtype=torch.int32), "w13")
+        if down.codebook in MARKER_VALUES:
+            register(f"w2_{down.codebook}", torch.zeros(E, dtype=torch.int32), "w2")
+        layer.exl3_arena_bytes = sum(
+            p.numel() * p.element_size() for n, p in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))
+        )
+        trace.add_flag("moe_arena_bytes", layer.exl3_arena_bytes)
+
+    def _loader(self, layer: torch.nn.Module, kind: str, stem: str):
+        def load(param, loaded_weight, weight_name="", shard_id="", expert_id=0, return_success=False):
+            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if local == -1:
+                return False if return_success else None  # another rank's expert
+            if shard_id not in SHARDS or SHARDS[shard_id][0] != stem:
+                raise CheckpointError(self.config._file(), weight_name, f"a {stem} shard id", repr(shard_id))
+            name = {"w1": "gate", "w3": "up", "w2": "down"}[shard_id]
+            self._load(layer, param, kind, name, local, expert_id, loaded_weight)
+            layer.exl3_loaded.add((kind, name, local))
+            return True if return_success else None
+
+        return load
+
+    def _load(self, layer, param, kind: str, name: str, local: int, expert: int, w: torch.Tensor) -> None:
+        p = layer.exl3_proj[name]
+        g = layer.exl3_groups[name]
+        tensor = f"{self.prefix}.{expert}.{self.ckpt_names[name]}.{kind}"
+        part = SHARDS[{"gate": "w1", "up": "w3", "down": "w2"}[name]][1]
+
+        def check(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+            if tuple(w.shape) != shape or w.dtype != dtype:
+                raise CheckpointError(g.file, tensor, f"{dtype} {list(shape)}", f"{w.dtype} {list(w.shape)}")
+
+        (k0, k1), (n0, n1) = p.k_range, p.n_range
+        if kind == "trellis":
+            check((g.size_k // TILE, g.size_n // TILE, reference.words_per_tile(g.bits)), torch.int16)
+            src = w[k0 // TILE : k1 // TILE, n0 // TILE : n1 // TILE]
+            self.trellis(layer, name, local).copy_(src)
+        elif kind == "suh":
+            check((g.size_k,), torch.float16)
+            (param.data[local, part] if name != "down" else param.data[local]).copy_(w[k0:k1])
+        elif kind == "svh":
+            check((g.size_n,), torch.float16)
+            (param.data[local, part] if name != "down" else param.data[local]).copy_(w[n0:n1])
+        else:
+            value = int(w.reshape(()).item()) & 0xFFFFFFFF
+            if kind != g.codebook or value != MARKER_VALUES[kind]:
+                raise CheckpointError(g.file, tensor, f"{g.codebook} marker", f"{kind} marker 0x{value:08X}")
+            if name == "down":
+                param.data[local] = w.reshape(()).to(torch.int32)
+            else:
+                param.data[local, part] = w.reshape(()).to(torch.int32)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        E = layer.w13_trellis.shape[0]
+        kinds = ["trellis", "suh", "svh"]
+        missing = []
+        for name, p in layer.exl3_proj.items():
+            for kind in kinds + ([p.codebook] if p.codebook in MARKER_VALUES else []):
+                missing += [(kind, name, e) for e in range(E) if (kind, name, e) not in layer.exl3_loaded]
+        if missing:
+            kind, name, e = missing[0]
+            g = layer.exl3_groups[name]
+            raise CheckpointError(g.file, f"{self.prefix}.{e}.{self.ckpt_names[name]}.{kind}", "loaded", f"never loaded ({len(missing)} missing)")
+        device = layer.w13_trellis.device
+        # The ladder accumulates in fp32, so the per-projection kernels are asked for fp32 activations.
+        layer.exl3_kernels = {}
+        for name, p in layer.exl3_proj.items():
+            spec = kernels.KernelSpec(p.size_k, p.size_n, p.bits, p.codebook, torch.float32)
+            layer.exl3_kernels[name] = kernels.prepare(spec, device)
+            trace.note_layer(f"{type(layer.exl3_kernels[name]).__name__} moe")
+
+    # -- views into the arenas
+    @staticmethod
+    def trellis(layer: torch.nn.Module, name: str, e: int) -> torch.Tensor:
+        p = layer.exl3_proj[name]
+        if name == "down":
+            return layer.w2_trellis[e]
+        gate_words = layer.exl3_proj["gate"].words
+        flat = layer.w13_trellis[e, :gate_words] if name == "gate" else layer.w13_trellis[e, gate_words:]
+        return flat.view(p.trellis_shape)
+
+    @staticmethod
+    def scales(layer: torch.nn.Module, name: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if name == "down":
+            return layer.w2_suh[e], layer.w2_svh[e]
+        part = 0 if name == "gate" else 1
+        return layer.w13_suh[e, part], layer.w13_svh[e, part]
+
+    def project(self, layer: torch.nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x (m, padded k) fp32 through one expert projection, Hadamard-domain form: (m, padded n) fp32."""
+        suh, svh = self.scales(layer, name, e)
+        return layer.exl3_kernels[name].apply(x, self.trellis(layer, name, e), suh, svh)
+
+    def dense(self, layer: torch.nn.Module, name: str, e: int) -> torch.Tensor:
+        """One expert projection reconstructed for this call only: W (padded k, padded n) fp32."""
+        p = layer.exl3_proj[name]
+        suh, svh = self.scales(layer, name, e)
+        w_inner = reference.decode_trellis(self.trellis(layer, name, e), p.bits, p.codebook).float()
+        return hadamard_rows(hadamard_cols(w_inner) * suh.float()[:, None]) * svh.float()[None, :]
+
+    def expert(self, layer: torch.nn.Module, e: int, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        """silu(x·gate) ⊙ (x·up) ·down for rows x (m, padded hidden) fp32 → (m, padded hidden) fp32."""
+        if dense:
+            h = F.silu(x @ self.dense(layer, "gate", e)) * (x @ self.dense(layer, "up", e))
+            return h @ self.dense(layer, "down", e)
+        h = F.silu(self.project(layer, "gate", e, x)) * self.project(layer, "up", e, x)
+        return self.project(layer, "down", e, h)
+
+    # -- forward
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        tokens = x.shape[0]
+        path = select_path(tokens)
+        trace.count(path, tokens)
+        return self.run_path(layer, path, x, topk_weights, topk_ids)
+
+    def run_path(self, layer, path: KernelPath, x, topk_weights, topk_ids) -> torch.Tensor:
+        """Run one path of the ladder (tests force each path through here). Fails closed."""
+        why = path_refusal(path, x.shape[0])
+        if why is not None:
+            raise ValueError(f"{self.prefix}: {why}")
+        ids = topk_ids.long()
+        expert_map = getattr(layer, "expert_map", None)
+        if expert_map is not None:
+            ids = expert_map[ids].long()  # global -> local; -1 for another rank's expert
+        hidden = x.shape[-1]
+        pad = layer.exl3_proj["gate"].size_k - hidden
+        xf = F.pad(x.float(), (0, pad)) if pad else x.float()
+        weights = topk_weights.float()
+        out = torch.zeros(x.shape[0], layer.exl3_proj["down"].size_n, dtype=torch.float32, device=x.device)
+        if path in (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY):
+            host_ids = ids.tolist()  # the layer's one host sync: the units to run
+            for t, row in enumerate(host_ids):
+                for j, e in enumerate(row):
+                    if e >= 0:
+                        out[t] += weights[t, j] * self.expert(layer, e, xf[t : t + 1])[0]
+        else:
+            flat = ids.flatten()
+            order = torch.argsort(flat, stable=True)  # binned by expert on the device; -1 (remote) first
+            counts = torch.bincount(flat + 1, minlength=layer.w13_trellis.shape[0] + 1).tolist()  # one host sync
+            token_of = order // ids.shape[1]
+            weight_of = weights.flatten()[order]
+            start = counts[0]
+            for e, n in enumerate(counts[1:]):
+                if n == 0:
+                    continue
+                rows = token_of[start : start + n]
+                y = self.expert(layer, e, xf[rows], dense=path == KernelPath.MOE_BATCHED)
+                out.index_add_(0, rows, y * weight_of[start : start + n, None])
+                start += n
+        return out[:, :hidden].to(x.dtype)
