@@ -76,26 +76,28 @@ class Box:
         return None
 
 
-@pytest.fixture
-def box(tmp_path: Path):
-    root = tmp_path
+def make_box(root: Path, standin: bool = True) -> Box:
     for d in ("state", "config", "cache", "run", "tmp", "nosys"):
         (root / d).mkdir(mode=0o700)
-    engine = root / "engine-python"
-    engine.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'standin_engine.py'} \"$@\"\n")
-    engine.chmod(0o755)
     daemon_port, engine_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EXL3LOCAL_", "XDG_"))}
     env.update({
         "XDG_STATE_HOME": str(root / "state"), "XDG_CONFIG_HOME": str(root / "config"),
         "XDG_CACHE_HOME": str(root / "cache"), "XDG_RUNTIME_DIR": str(root / "run"), "TMPDIR": str(root / "tmp"),
         "EXL3LOCAL_HOST": f"127.0.0.1:{daemon_port}", "EXL3LOCAL_ENGINE_PORT": str(engine_port),
-        "EXL3LOCAL_ENGINE_PYTHON": str(engine), "EXL3LOCAL_SYSFS": str(root / "nosys"),
+        "EXL3LOCAL_SYSFS": str(root / "nosys"),
         "STANDIN_LOG": str(root / "engines.log"), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
     })  # fmt: skip
-    b = Box(root, env, daemon_port, engine_port)
-    yield b
-    # Clean up only what this test started, by pid.
+    if standin:
+        engine = root / "engine-python"
+        engine.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'standin_engine.py'} \"$@\"\n")
+        engine.chmod(0o755)
+        env["EXL3LOCAL_ENGINE_PYTHON"] = str(engine)
+    return Box(root, env, daemon_port, engine_port)
+
+
+def clean_box(b: Box) -> None:
+    """Stop only what this box started, by pid."""
     b.cli("down", timeout=60)
     for proc in b.started:
         if proc.poll() is None:
@@ -108,3 +110,10 @@ def box(tmp_path: Path):
         for p in pair:
             if pid_alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+@pytest.fixture
+def box(tmp_path: Path):
+    b = make_box(tmp_path)
+    yield b
+    clean_box(b)

