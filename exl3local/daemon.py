@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
-from exl3local import __version__, env, errors, hardware, paths
+from exl3local import __version__, engine_stats, env, errors, hardware, launch, paths
 from exl3local.api import API_VERSION, PREFIX, TOKEN_HEADER, error_to_json
 from exl3local.supervisor import EngineState, Policy, Supervisor, end_group, group_alive
 
@@ -220,7 +220,7 @@ def resolve_model(model: str | None, demo: bool, profile: Any) -> tuple[Path, st
 
 def plan(req: UpRequest, *, sysfs_root: Path, mem: Any = None, python: str | None = None,
          check_port: Callable[[str, int], bool] = port_free) -> Plan:
-    from exl3local import budget, launch, manifest
+    from exl3local import budget, manifest
 
     gpus = hardware.probe(sysfs_root)
     gpu, gpu_why = hardware.choose(gpus)
@@ -378,7 +378,17 @@ class Daemon:
             "daemon_uptime_s": round(time.monotonic() - self.started, 3),
             "events": list(self.events),
         })  # fmt: skip
+        st.update(engine_stats.memory_fields(st["engine_pid"], p.gpu.kind if p else None))
         return st
+
+    def kernels(self) -> dict[str, Any]:
+        """GET /api/kernels: the plugin's per-process counter files in this engine's trace dir."""
+        from exl3local.plugin import trace
+
+        if self.plan is None or self.sup.state in (EngineState.STOPPED, EngineState.FAILED):
+            raise errors.EngineError(self.sup.state.value, None, "", hint="kernel counters exist only while an engine runs")
+        trace_dir = Path(self.plan.spec.env[launch.TRACE_DIR_ENV])
+        return engine_stats.kernel_summary(trace.read_all(trace_dir), time.time())
 
     async def metrics(self) -> str:
         import httpx
@@ -439,6 +449,8 @@ class Daemon:
                                   "api_version": API_VERSION})
                 if path == "/status":
                     return _json(self.status())
+                if path == "/kernels":
+                    return _json(self.kernels())
                 if path == "/metrics":
                     return 200, "text/plain; version=0.0.4", (await self.metrics()).encode()
                 if path == "/logs":

@@ -160,6 +160,9 @@ def test_api_refuses_mutations_without_the_token(box, tiny_models):
     assert httpx.post(f"{base}/shutdown").status_code == 403
     assert httpx.get(f"{base}/metrics").text.startswith("vllm:num_requests_running")
     assert httpx.get(f"{base}/nope").status_code == 404
+    kernels = httpx.get(f"{base}/kernels").json()
+    assert kernels["processes"] == 0 and {p["path"] for p in kernels["paths"]} >= {"gemv", "reference"}
+    assert httpx.get(f"{base}/status").json()["system_memory_total_bytes"] > 0
     token = (box.runtime / "api.token").read_text()
     assert oct((box.runtime / "api.token").stat().st_mode & 0o777) == "0o600"
     r = httpx.post(f"{base}/up", content=b"{not json", headers={"X-Exl3local-Token": token})

@@ -57,6 +57,9 @@ def test_status_is_ready_with_the_kv_budget_and_metrics_pass_through(served):
     assert st["engine_rss_bytes"] > 500 * 2**20
     metrics = httpx.get(f"http://127.0.0.1:{served.daemon_port}/api/metrics").text
     assert "vllm:num_requests_running" in metrics
+    # the plugin's kernel-path counters, written by the worker into this engine's trace dir
+    kernels = httpx.get(f"http://127.0.0.1:{served.daemon_port}/api/kernels").json()
+    assert kernels["processes"] >= 1 and sum(p["calls"] for p in kernels["paths"]) > 0
 
 
 def test_kill9_of_vllm_is_restarted_and_answers_again(served):
