@@ -234,3 +234,55 @@ class OracleMatch:
 @pytest.fixture(scope="session")
 def oracle_match_cls() -> type[OracleMatch]:
     return OracleMatch
+
+
+@pytest.fixture(scope="session")
+def vllm_dist():
+    """vLLM's process groups for world size 1 (gloo), so layers can be built in the test process."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    from exl3local.plugin import register
+
+    register()
+    # The CPU model runner swaps this no-op in too: with no accelerator, vLLM's loader would fail on it.
+    torch.accelerator.empty_cache = lambda *args, **kwargs: None
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo"
+        )
+        initialize_model_parallel(1, 1)
+    yield
+
+
+@pytest.fixture(scope="module")
+def load_vllm_model(vllm_dist):
+    """model_dir -> vLLM's model object, built and loaded in this process as the CPU worker does."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+
+    def load(model_dir: Path, **kwargs):
+        args = EngineArgs(
+            model=str(model_dir), quantization="exl3", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+            kv_cache_memory_bytes=64 * 2**20, **kwargs,
+        )  # fmt: skip
+        vllm_config = args.create_engine_config()
+        with set_current_vllm_config(vllm_config):
+            return get_model(vllm_config=vllm_config)
+
+    return load
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trace_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Counters written by in-process tests land in a temp dir, not the user's runtime dir."""
+    path = tmp_path_factory.mktemp("kernel-paths")
+    old = os.environ.get("EXL3LOCAL_TRACE_DIR")
+    os.environ["EXL3LOCAL_TRACE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("EXL3LOCAL_TRACE_DIR", None)
+    else:
+        os.environ["EXL3LOCAL_TRACE_DIR"] = old
