@@ -66,13 +66,15 @@ def _http_status(err: errors.Exl3Error) -> int:
 
 
 class EngineLog:
-    """engine.log with size rotation; byte offsets let `logs -f` poll for what is new."""
+    """engine.log with size rotation. Offsets count every byte written since the daemon started
+    (rotated files included), so `logs -f` can tell "nothing new" from "rotated meanwhile"."""
 
     def __init__(self, path: Path, max_bytes: int = LOG_MAX_BYTES, backups: int = LOG_BACKUPS) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
         self._f = open(path, "ab")  # noqa: SIM115 — held open for the daemon's life
+        self.base = -self._f.tell()  # offset of the current file's byte 0; what was there before counts as 0
 
     def write(self, chunk: bytes) -> None:
         if self._f.tell() + len(chunk) > self.max_bytes:
@@ -81,6 +83,7 @@ class EngineLog:
         self._f.flush()
 
     def _rotate(self) -> None:
+        self.base += self._f.tell()
         self._f.close()
         for i in range(self.backups - 1, 0, -1):
             src = self.path.with_name(f"{self.path.name}.{i}")
@@ -94,13 +97,14 @@ class EngineLog:
 
     def read(self, *, tail: int | None = None, offset: int | None = None) -> dict[str, Any]:
         data = self.path.read_bytes() if self.path.exists() else b""
-        size = len(data)
+        end = self.base + len(data)
         if offset is not None:
-            rotated = offset > size
-            start = 0 if rotated else offset
-            return {"text": data[start:].decode("utf-8", "replace"), "offset": size, "rotated": rotated}
+            # Below base: rotated away since. Past the end: an offset from an earlier daemon.
+            rotated = not self.base <= offset <= end
+            start = 0 if rotated else offset - self.base
+            return {"text": data[start:].decode("utf-8", "replace"), "offset": end, "rotated": rotated}
         lines = data.splitlines(keepends=True)[-(tail or 200):]
-        return {"text": b"".join(lines).decode("utf-8", "replace"), "offset": size, "rotated": False}
+        return {"text": b"".join(lines).decode("utf-8", "replace"), "offset": end, "rotated": False}
 
     def close(self) -> None:
         self._f.close()

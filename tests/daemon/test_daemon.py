@@ -179,3 +179,31 @@ def test_demo_and_profile_pin(box):
     up = box.cli("up", "--demo")
     assert up.returncode == 0, up.stderr
     assert _status(box)["model"].startswith("demo")
+
+
+def test_up_foreground_serves_until_interrupted(box, tiny_models):
+    proc = box.popen("up", str(tiny_models[TINY]), "--foreground")
+    st = _wait(box, lambda s: s["state"] == "READY")
+    engine = st["engine_pid"]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "OpenAI endpoint" in out
+    assert not pid_alive(engine) and list(box.tmp.iterdir()) == []
+
+
+def test_doctor_quick_reports_cpu_fit_and_port(box):
+    out = box.cli("doctor", "--quick")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no GPU found" in out.stdout and "fits: KV" in out.stdout and f"127.0.0.1:{box.engine_port} is free" in out.stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", box.engine_port))
+        s.listen()
+        assert "is in use" in box.cli("doctor", "--quick").stdout
+
+
+def test_logs_without_a_daemon_read_the_file(box, tiny_models):
+    assert box.cli("up", str(tiny_models[TINY]), STANDIN_MODE="crash").returncode == 7
+    assert box.cli("down").returncode == 0
+    out = box.cli("logs", "-n", "50")
+    assert out.returncode == 0 and "boom from stand-in" in out.stdout

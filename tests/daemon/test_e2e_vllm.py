@@ -88,3 +88,10 @@ def test_down_leaves_no_process_socket_or_temp_file(served):
     assert list(served.runtime.iterdir()) == []
     listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     assert served.engine_port not in listening and served.daemon_port not in listening
+
+
+def test_doctor_imports_vllm_and_registers_the_plugin_in_the_engine_interpreter(tmp_path):
+    box = make_box(tmp_path, standin=False)
+    out = box.cli("doctor", timeout=300)
+    assert "[ok  ] engine" in out.stdout, out.stdout + out.stderr
+    assert "exl3 plugin registers" in out.stdout and out.returncode == 0
