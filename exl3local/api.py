@@ -195,6 +195,14 @@ def _unavailable(base_url: str, exc: Exception) -> errors.DaemonUnavailable:
     )
 
 
+def _too_slow(base_url: str, method: str, path: str) -> errors.DaemonUnavailable:
+    """Connected, but no answer in time: a busy or hung daemon is as unusable as a missing one."""
+    return errors.DaemonUnavailable(
+        f"the exl3local daemon at {base_url} did not answer {method} {PREFIX}{path} in time",
+        hint="see `exl3local logs` and the daemon log; `exl3local down` then `up` restarts it",
+    )
+
+
 class DaemonClient:
     """Synchronous client (CLI, tray). Every method raises DaemonUnavailable when no daemon
     answers, or the daemon's own Exl3Error subclass."""
@@ -229,6 +237,8 @@ class DaemonClient:
             resp = self._http.request(method, PREFIX + path, **kwargs)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
             raise _unavailable(self.base_url, exc) from exc
+        except httpx.TimeoutException as exc:
+            raise _too_slow(self.base_url, method, path) from exc
         _raise_for(resp)
         return resp
 
@@ -349,6 +359,8 @@ class AsyncDaemonClient:
             resp = await self._http.request(method, PREFIX + path, **kwargs)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
             raise _unavailable(self.base_url, exc) from exc
+        except httpx.TimeoutException as exc:
+            raise _too_slow(self.base_url, method, path) from exc
         _raise_for(resp)
         return resp
 
