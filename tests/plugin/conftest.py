@@ -120,11 +120,11 @@ def serve(tmp_path_factory: pytest.TempPathFactory):
     """Start one server per (module, model); returns a function model_dir -> ready Server."""
     started: list[Server] = []
 
-    def start(model: Path, extra_env: dict[str, str] | None = None) -> Server:
+    def start(model: Path, extra_env: dict[str, str] | None = None, wait: bool = True) -> Server:
         root = tmp_path_factory.mktemp(f"serve-{model.name}")
         server = Server(model, root / "vllm.log", root / "trace", extra_env).start()
         started.append(server)
-        return server.wait_ready()
+        return server.wait_ready() if wait else server
 
     yield start
     for server in started:
