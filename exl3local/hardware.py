@@ -255,6 +255,20 @@ def _minors_from_sysfs(root: Path) -> dict[Path, dict[str, str]]:
     return out
 
 
+def _display_functions(root: Path) -> dict[Path, dict[str, str]]:
+    """PCI display-class functions (0x03xxxx), with or without a DRM minor: datacenter NVIDIA
+    cards (class 0x0302, no nvidia-drm in containers) and GPUs whose driver is not bound have
+    none, and would otherwise look like "no GPU"."""
+    out: dict[Path, dict[str, str]] = {}
+    bus = root / "bus" / "pci" / "devices"
+    if not bus.is_dir():
+        return out
+    for entry in sorted(bus.iterdir()):
+        if (_read(entry / "class") or "").lower().startswith("0x03"):
+            out[entry.resolve()] = {}
+    return out
+
+
 def _minors_from_udev() -> dict[Path, dict[str, str]]:
     import pyudev
 
@@ -270,7 +284,7 @@ def _minors_from_udev() -> dict[Path, dict[str, str]]:
 
 def probe(sysfs_root: Path = SYSFS, *, use_udev: bool | None = None, mem_total_bytes: int | None = None,
           xe_cores: int | None = None) -> list[GpuInfo]:
-    """Every GPU with a DRM minor, in PCI slot order (empty: no GPU). `xe_cores` comes from a
+    """Every GPU (a DRM minor's PCI parent, or a display-class PCI function), in slot order. `xe_cores` comes from a
     runtime that can count them (torch.xpu in the engine interpreter); it only names the LNL part."""
     sysfs_root = Path(sysfs_root)
     real_sys = sysfs_root == SYSFS
@@ -284,6 +298,8 @@ def probe(sysfs_root: Path = SYSFS, *, use_udev: bool | None = None, mem_total_b
             log.info("udev unavailable (%s); reading sysfs directly", exc)
     if not minors:
         minors = _minors_from_sysfs(sysfs_root)
+    for pci, none in _display_functions(sysfs_root).items():
+        minors.setdefault(pci, none)
     gpus = [_describe(pci, mn, real_sys=real_sys, mem_total_bytes=mem_total_bytes, xe_cores=xe_cores)
             for pci, mn in minors.items()]
     return sorted((g for g in gpus if g is not None), key=lambda g: g.slot or "")

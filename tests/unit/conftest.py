@@ -22,6 +22,9 @@ def _pci(root: Path, path: str, vendor: int, device: int, driver: str | None, mi
     for name, text in (extra or {}).items():
         (pci / name).parent.mkdir(parents=True, exist_ok=True)
         (pci / name).write_text(text)
+    bus = root / "bus" / "pci" / "devices"
+    bus.mkdir(parents=True, exist_ok=True)
+    (bus / pci.name).symlink_to(pci)
     if driver:
         drv = root / "bus" / "pci" / "drivers" / driver
         drv.mkdir(parents=True, exist_ok=True)
@@ -93,13 +96,21 @@ def nvidia(root: Path) -> Path:
     return root
 
 
+def h200(root: Path) -> Path:
+    """A datacenter container (measured on the lent H200): 3D controller class 0x0302, nvidia
+    driver, and no /sys/class/drm at all."""
+    _pci(root, "pci0000:00/0000:00:06.0", 0x10DE, 0x2335, "nvidia", [], pci_class="0x030200")
+    (root / "class" / "drm").rmdir()
+    return root
+
+
 def none(root: Path) -> Path:
     """A VM: no DRM class at all."""
     root.mkdir(parents=True, exist_ok=True)
     return root
 
 
-MACHINES = {"b70": b70, "claw8": claw8, "140v": lunar_laptop, "a770": a770, "nvidia": nvidia, "none": none}
+MACHINES = {"b70": b70, "claw8": claw8, "140v": lunar_laptop, "a770": a770, "nvidia": nvidia, "h200": h200, "none": none}
 
 
 import pytest  # noqa: E402

@@ -12,7 +12,8 @@ RAM_32G = 32 * 10**9
 
 @pytest.mark.parametrize(
     ("name", "profile_id"),
-    [("b70", "b70"), ("claw8", "claw8"), ("140v", "140v"), ("a770", "xpu"), ("nvidia", "cuda"), ("none", "cpu")],
+    [("b70", "b70"), ("claw8", "claw8"), ("140v", "140v"), ("a770", "xpu"), ("nvidia", "cuda"), ("h200", "cuda"),
+     ("none", "cpu")],
 )
 def test_each_machine_gets_its_profile(machine, name, profile_id):
     root = machine(name)
@@ -85,3 +86,17 @@ def test_hotplug_event_for_a_connector_is_not_a_gpu_change():
     watch._monitor = Monitor()
     watch._drain()
     assert seen == ["remove"]
+
+
+def test_gpu_without_a_drm_minor_is_still_found(machine):
+    (gpu,) = hardware.probe(machine("h200"), use_udev=False)
+    assert (gpu.vendor, gpu.slot, gpu.driver, gpu.render_node) == ("nvidia", "0000:00:06.0", "nvidia", None)
+
+
+def test_intel_card_with_no_driver_bound_is_reported_without_nodes(machine):
+    root = machine("b70")
+    (next(root.rglob("0000:03:00.0/driver"))).unlink()
+    for minor in ("card1", "renderD128"):
+        (root / "class" / "drm" / minor).unlink()
+    (gpu,) = hardware.probe(root, use_udev=False)
+    assert gpu.name == "Arc Pro B70" and gpu.driver is None and gpu.render_node is None
