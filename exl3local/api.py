@@ -235,10 +235,12 @@ class DaemonClient:
                 kwargs.setdefault("headers", {})[TOKEN_HEADER] = token
         try:
             resp = self._http.request(method, PREFIX + path, **kwargs)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise _unavailable(self.base_url, exc) from exc
         except httpx.TimeoutException as exc:
             raise _too_slow(self.base_url, method, path) from exc
+        except httpx.TransportError as exc:  # reset or cut off mid-answer: e.g. a daemon going down
+            raise _unavailable(self.base_url, exc) from exc
         _raise_for(resp)
         return resp
 
@@ -357,10 +359,12 @@ class AsyncDaemonClient:
                 kwargs.setdefault("headers", {})[TOKEN_HEADER] = token
         try:
             resp = await self._http.request(method, PREFIX + path, **kwargs)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise _unavailable(self.base_url, exc) from exc
         except httpx.TimeoutException as exc:
             raise _too_slow(self.base_url, method, path) from exc
+        except httpx.TransportError as exc:  # reset or cut off mid-answer: e.g. a daemon going down
+            raise _unavailable(self.base_url, exc) from exc
         _raise_for(resp)
         return resp
 

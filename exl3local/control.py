@@ -84,10 +84,14 @@ def ensure_daemon(client: Any) -> None:
         return
     except DaemonUnavailable:
         pass
-    child = subprocess.Popen(
-        [sys.executable, "-P", "-m", "exl3local", "daemon"], cwd=str(paths.state_dir()),
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+    # Its stderr goes to a file, not a pipe: the daemon outlives this command. Early errors
+    # (lock, port) land there before its own log exists.
+    errfile = paths.log_dir() / "daemon-start.err"
+    with open(errfile, "wb") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-P", "-m", "exl3local", "daemon", "--detached"], cwd=str(paths.state_dir()),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+        )  # fmt: skip
     deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
@@ -96,7 +100,7 @@ def ensure_daemon(client: Any) -> None:
         except DaemonUnavailable:
             time.sleep(0.1)
         if child.poll() not in (None, 0):
-            err = child.stderr.read().decode(errors="replace").strip() if child.stderr else ""
+            err = errfile.read_text(errors="replace").strip()
             if "already running" not in err:  # the other starter won: keep polling it
                 raise Exl3Error(f"the daemon could not start (exit status {child.returncode}):\n{err}",
                                 hint=f"see {paths.daemon_log()}")
@@ -351,11 +355,12 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def _cmd_daemon(args: argparse.Namespace) -> int:
     from exl3local import daemon
 
-    return daemon.run(foreground=True)
+    return daemon.run(foreground=not args.detached)
 
 
 def _add_daemon(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("daemon", help="run the daemon in the foreground (systemd, or started by `up`)")
+    p.add_argument("--detached", action="store_true", help="log to the log file only (how `up` starts it)")
     p.set_defaults(handler=_cmd_daemon)
 
 

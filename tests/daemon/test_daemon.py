@@ -207,3 +207,11 @@ def test_logs_without_a_daemon_read_the_file(box, tiny_models):
     assert box.cli("down").returncode == 0
     out = box.cli("logs", "-n", "50")
     assert out.returncode == 0 and "boom from stand-in" in out.stdout
+
+
+def test_taken_daemon_port_is_reported_by_up(box, tiny_models):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", box.daemon_port))  # bound, not listening: connect fails, bind fails
+        up = box.cli("up", str(tiny_models[TINY]))
+    assert up.returncode == 1 and f"127.0.0.1:{box.daemon_port}" in up.stderr, up.stderr
+    assert "Traceback" not in up.stderr and box.engines() == []
