@@ -25,7 +25,7 @@ DEFAULT_TIMEOUT_S = 5.0
 # POST /api/up returns after the pre-launch checks (manifest, budget, port); model loading is
 # reported through /api/status. Checks read safetensors headers only, but a slow disk can take a while.
 UP_TIMEOUT_S = 60.0
-POLL_S = 0.5
+POLL_S = 0.25
 
 
 @dataclass(frozen=True)

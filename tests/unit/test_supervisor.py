@@ -98,7 +98,8 @@ def harness(tmp_path):
         return False
 
     sup = Supervisor(spawn=spawn, health=health, kill_group=kill_group,
-                     policy=Policy(max_fast_failures=3, backoff_base_s=0.01, health_poll_s=0.01, min_uptime_s=0.05))
+                     policy=Policy(max_fast_failures=3, backoff_base_s=0.01, health_poll_s=0.01, exit_poll_s=0.01,
+                                   min_uptime_s=0.05))
     return sup, procs, healthy, killed, Spec(tmp_path)
 
 
@@ -147,7 +148,7 @@ async def test_stop_while_starting_ends_the_group(harness):
 
 async def test_stall_without_output_counts_as_a_failed_start(harness, monkeypatch):
     sup, procs, healthy, killed, spec = harness
-    sup.policy = Policy(max_fast_failures=1, stall_timeout_s=0.05, health_poll_s=0.01)
+    sup.policy = Policy(max_fast_failures=1, stall_timeout_s=0.05, health_poll_s=0.01, exit_poll_s=0.01)
     await sup.start(spec)
     await _until(sup, EngineState.FAILED)
     assert "no output" in sup.last_error and procs[0].returncode == -15
