@@ -1,0 +1,412 @@
+"""Ours vs exllamav3 1.6.5 vs torch fp16 matmul on the same tensors, in one process (see docs/PERF.md).
+
+    python3 -P bench/kernels.py [--quick] [--out DIR] [--sections a,b,...]
+
+Run on the lent H200 by scripts/bench-kernels-device.sh (which also builds exllamav3's extension). Every
+timing is triton.testing.do_bench's median with its L2 flush, output allocation inside the timed
+function; M <= 16 rows are also timed as CUDA-graph replays (do_bench_cudagraph, no flush). Correctness
+checks at full shapes come first: decoded Ŵ bit-exact against the reference decoder, and y against the
+fp32 reference and against exllamav3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from exl3local.kernels import KernelSpec, prepare, reference
+from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER
+from exl3local.kernels.triton_decode import decode_dense
+from exl3local.kernels.triton_gemm import gemm, reconstruct_gemm
+from exl3local.kernels.triton_gemv import gemv, matmul_partials
+from exl3local.kernels.triton_hadamard import input_transform, output_transform
+from exl3local.kernels.triton_moe import moe_decode
+
+SHAPES_27B = [(5120, 5120), (5120, 1024), (5120, 17408), (17408, 5120)]
+SHAPES_OTHER = [(4096, 4096), (4096, 14336), (5120, 27648)]
+DECODE_BITS = (2, 3, 4, 6, 8)
+DECODE_ROWS = (1, 4, 16)
+PREFILL_ROWS = 2048
+CROSSOVER_ROWS = (16, 32, 64, 128, 256, 512, 1024)
+CROSSOVER_SHAPE = [(5120, 17408)]
+MOE = dict(experts=256, hidden=2048, intermediate=512, top_k=8)
+
+RESULTS: list[dict] = []
+DEVICE = ["cuda"]  # "cpu" only for --smoke (the interpreter, tiny shapes, wall-clock timer)
+DEADLINE = [0.0]  # epoch seconds; loops stop adding rows once past it (0: no deadline)
+
+
+def late() -> bool:
+    return bool(DEADLINE[0]) and time.time() > DEADLINE[0]
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def timed(fn, graph: bool = False) -> float:
+    """Median µs."""
+    import triton.testing
+
+    if DEVICE[0] == "cpu":
+        start = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - start)
+    if graph:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def make_layer(size_k, size_n, bits, codebook, seed=0, experts=None):
+    device = DEVICE[0]
+    g = torch.Generator(device=device).manual_seed(seed)
+    lead = () if experts is None else (experts,)
+    words = reference.words_per_tile(bits)
+    trellis = torch.randint(-32768, 32768, (*lead, size_k // 16, size_n // 16, words), generator=g,
+                            dtype=torch.int16, device=device)
+    suh = (torch.randn(*lead, size_k, generator=g, device=device) * 0.05).half()
+    svh = (torch.randn(*lead, size_n, generator=g, device=device) * 0.05).half()
+    return trellis, suh, svh
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+class Exl3:
+    """exllamav3's LinearEXL3 and grouped-expert GEMM on our tensors, if the package imports."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.error = None if enabled else "skipped (--no-exl3)"
+        if not enabled:
+            return
+        try:
+            from exllamav3.ext import exllamav3_ext as ext
+            from exllamav3.modules.quant.exl3 import LinearEXL3
+
+            self.ext, self.cls = ext, LinearEXL3
+        except Exception as exc:  # noqa: BLE001 -- the bench reports why the column is empty
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @staticmethod
+    def markers(codebook: str, device):
+        mcg = torch.tensor(MCG_MULTIPLIER - (1 << 32), dtype=torch.int32, device=device) if codebook == "mcg" else None
+        mul1 = torch.tensor(MUL1_MULTIPLIER - (1 << 32), dtype=torch.int32, device=device) if codebook == "mul1" else None
+        return mcg, mul1
+
+    def linear(self, trellis, suh, svh, codebook):
+        """A LinearEXL3 over our tensors, or None (reason logged) if exllamav3 is missing or refuses them."""
+        if not self.ok:
+            return None
+        mcg, mul1 = self.markers(codebook, trellis.device)
+        k, n = suh.shape[0], svh.shape[0]
+        try:
+            return self.cls(None, k, n, suh=suh, svh=svh, trellis=trellis, mcg=mcg, mul1=mul1)
+        except Exception as exc:  # noqa: BLE001 -- the bench reports why the column is empty
+            log(f"exllamav3 LinearEXL3 refused {k}x{n} {codebook}: {type(exc).__name__}: {exc}")
+            return None
+
+
+def bench_copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE[0])
+    dst = torch.empty_like(src)
+    us = timed(lambda: dst.copy_(src))
+    gbps = 2 * src.numel() / us / 1e3
+    log(f"copy bandwidth: {gbps:.0f} GB/s (1 GiB copy, read+write, median {us:.0f} µs)")
+    del src, dst
+    return gbps
+
+
+def bench_decode_rate() -> float:
+    """Weights/s of the GEMV decode when the trellis sits in L2 (ALU-bound): the ALU roofline's rate."""
+    trellis, suh, svh = make_layer(2048, 2048, 4, "mul1")
+    u = torch.randn(1, 2048, device=DEVICE[0]).half()
+    import triton.testing
+
+    us = 1e3 * triton.testing.do_bench(lambda: matmul_partials(u, trellis, 4, "mul1", 1, 64, 64), warmup=10, rep=60,
+                                       return_mode="median")
+    rate = 2048 * 2048 / us * 1e6
+    log(f"decode rate (mul1 K=4, 2048x2048 in L2, M=1 matmul only): {rate / 1e9:.0f} Gweights/s ({us:.1f} µs)")
+    return rate
+
+
+def check_correctness(exl3: Exl3) -> None:
+    log("\n== correctness at full shapes ==")
+    cases = [((4096, 4096), 4, "mul1"), ((5120, 17408), 2, "3inst"), ((17408, 5120), 3, "mcg"),
+             ((4096, 14336), 2.5, "mul1"), ((5120, 1024), 8, "mul1"), ((5120, 5120), 6, "3inst")]
+    if DEVICE[0] == "cpu":
+        cases = [((256, 128), 4, "mul1"), ((128, 256), 2.5, "mul1")]
+    for (k, n), bits, cb in cases:
+        trellis, suh, svh = make_layer(k, n, bits, cb, seed=k + n)
+        exact = decode_dense(trellis, bits, cb).view(torch.int16).equal(
+            reference.decode_trellis(trellis, bits, cb).view(torch.int16))
+        kernel = prepare(KernelSpec(k, n, bits, cb, torch.float16), DEVICE[0], "triton")
+        row = dict(kind="correct", k=k, n=n, bits=bits, codebook=cb, decode_bit_exact=exact)
+        for m in (1, 5, 16, 300):
+            x = torch.randn(m, k, device=DEVICE[0]).half()
+            y = kernel.apply(x, trellis, suh, svh)
+            ref = reference.linear(x.float(), trellis, suh, svh, bits, cb)
+            row[f"rel_ref_m{m}"] = rel(y, ref)
+            lin = exl3.linear(trellis, suh, svh, cb)
+            if lin is not None:
+                row[f"rel_exl3_m{m}"] = rel(lin.forward(x, {}), ref)
+        RESULTS.append(row)
+        log(json.dumps(row))
+
+
+def bench_decode(exl3: Exl3, shapes, bits_list, codebooks, rows_list, copy_gbps, graphs=True) -> None:
+    log("\n== decode (few rows) ==")
+    log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>3} | {'ours':>7} {'exl3':>7} {'torch':>7} {'ratio':>6} | "
+        f"{'ours_g':>7} {'exl3_g':>7} {'ratio_g':>7} | {'bw_floor':>8}")
+    for k, n in shapes:
+        w16 = torch.randn(k, n, device=DEVICE[0]).half()
+        for cb in codebooks:
+            for bits in bits_list:
+                trellis, suh, svh = make_layer(k, n, bits, cb, seed=bits)
+                kernel = prepare(KernelSpec(k, n, bits, cb, torch.float16), DEVICE[0], "triton")
+                lin = exl3.linear(trellis, suh, svh, cb)
+                floor = k * n * bits / 8 / copy_gbps / 1e3
+                for m in rows_list:
+                    if late():
+                        return
+                    x = torch.randn(m, k, device=DEVICE[0]).half()
+                    ours = lambda: kernel.apply(x, trellis, suh, svh)  # noqa: E731
+                    row = dict(kind="decode", k=k, n=n, codebook=cb, bits=bits, m=m, bw_floor_us=floor,
+                               ours_us=timed(ours), torch_us=timed(lambda: x @ w16))
+                    if lin is not None:
+                        row["exl3_us"] = timed(lambda: lin.forward(x, {}))
+                    if graphs:
+                        row["ours_graph_us"] = timed(ours, graph=True)
+                        if lin is not None:
+                            row["exl3_graph_us"] = timed(lambda: lin.forward(x, {}), graph=True)
+                    RESULTS.append(row)
+                    e, eg = row.get("exl3_us", float("nan")), row.get("exl3_graph_us", float("nan"))
+                    og = row.get("ours_graph_us", float("nan"))
+                    log(f"{k:>5}x{n:<6} {cb:>5} {bits:>3} {m:>3} | {row['ours_us']:7.1f} {e:7.1f} "
+                        f"{row['torch_us']:7.1f} {e / row['ours_us']:6.2f} | {og:7.1f} {eg:7.1f} {eg / og:7.2f} | "
+                        f"{floor:8.1f}")
+        del w16
+
+
+def bench_breakdown(shapes) -> None:
+    """Where decode time goes: input transform, matmul kernel, output transform, and config variants."""
+    log("\n== GEMV breakdown and configs (mul1 K=4) ==")
+    configs_1 = [(1, 64, 64, 4), (1, 64, 32, 4), (1, 128, 32, 4), (1, 32, 128, 4), (1, 64, 64, 8), (1, 128, 64, 8),
+                 (16, 64, 32, 4)]
+    configs_16 = [(16, 64, 32, 4), (16, 64, 64, 4), (16, 128, 32, 4), (16, 32, 64, 4), (16, 128, 64, 8),
+                  (16, 64, 64, 8)]
+    for k, n in shapes:
+        trellis, suh, svh = make_layer(k, n, 4, "mul1", seed=4)
+        for m, configs in ((1, configs_1), (16, configs_16)):
+            x = torch.randn(m, k, device=DEVICE[0]).half()
+            u = input_transform(x, suh)
+            z = matmul_partials(u, trellis, 4, "mul1", *(configs[0][:3]))
+            parts = dict(input_us=timed(lambda: input_transform(x, suh)),
+                         output_us=timed(lambda: output_transform(z, svh, None, x.dtype)))
+            variants = {}
+            for bm, bn, bk, warps in configs:
+                for split_mult in (0.5, 1, 2):
+                    from exl3local.kernels.triton_gemv import choose_splits
+
+                    base = choose_splits(triton_cdiv(m, bm) * (n // bn), k // bk, x.device)
+                    splits = max(1, int(base * split_mult))
+                    if (k // bk) % splits:
+                        continue
+                    key = f"bm{bm}_bn{bn}_bk{bk}_w{warps}_s{splits}"
+                    variants[key] = timed(lambda: matmul_partials(u, trellis, 4, "mul1", bm, bn, bk, splits,
+                                                                  num_warps=warps))
+            best = min(variants, key=variants.get)
+            row = dict(kind="breakdown", k=k, n=n, m=m, **parts, variants=variants, best=best)
+            RESULTS.append(row)
+            log(f"{k}x{n} M={m}: input {parts['input_us']:.1f} µs, output {parts['output_us']:.1f} µs, "
+                f"best matmul {best} {variants[best]:.1f} µs; all: "
+                + ", ".join(f"{key} {us:.1f}" for key, us in sorted(variants.items(), key=lambda kv: kv[1])))
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
+    log("\n== prefill / crossover ==")
+    log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>5} | {'gemv16':>8} {'gemm':>8} {'recon':>8} {'exl3':>8} "
+        f"{'torch':>8} | {'best':>8} {'vs_exl3':>7} {'vs_torch':>8}")
+    for k, n in shapes:
+        w16 = torch.randn(k, n, device=DEVICE[0]).half()
+        for cb in codebooks:
+            for bits in bits_list:
+                trellis, suh, svh = make_layer(k, n, bits, cb, seed=bits)
+                lin = exl3.linear(trellis, suh, svh, cb)
+                for m in rows_list:
+                    if late():
+                        return
+                    x = torch.randn(m, k, device=DEVICE[0]).half()
+                    row = dict(kind="prefill", k=k, n=n, codebook=cb, bits=bits, m=m,
+                               recon_us=timed(lambda: reconstruct_gemm(x, trellis, suh, svh, bits, cb)),
+                               torch_us=timed(lambda: x @ w16))
+                    for config in ((64, 64, 32), (128, 128, 32), (128, 64, 64)):
+                        if m >= config[0] // 2:
+                            row[f"gemm_{config[0]}_{config[1]}_{config[2]}_us"] = timed(
+                                lambda: gemm(x, trellis, suh, svh, bits, cb, config=config))
+                    if m <= 256:
+                        row["gemv16_us"] = timed(lambda: gemv(x, trellis, suh, svh, bits, cb, config=(16, 64, 32)))
+                    if lin is not None:
+                        row["exl3_us"] = timed(lambda: lin.forward(x, {}))
+                    ours = {key: v for key, v in row.items() if key.endswith("_us") and key not in ("torch_us", "exl3_us")}
+                    best = min(ours, key=ours.get)
+                    row["best"] = best
+                    RESULTS.append(row)
+                    gemm_best = min((v for key, v in row.items() if key.startswith("gemm_")), default=float("nan"))
+                    e = row.get("exl3_us", float("nan"))
+                    log(f"{k:>5}x{n:<6} {cb:>5} {bits:>3} {m:>5} | {row.get('gemv16_us', float('nan')):8.1f} "
+                        f"{gemm_best:8.1f} {row['recon_us']:8.1f} {e:8.1f} {row['torch_us']:8.1f} | "
+                        f"{best[:-3]:>8} {e / ours[best]:7.2f} {row['torch_us'] / ours[best]:8.2f}")
+        del w16
+
+
+def bench_moe(exl3: Exl3, codebooks=("mul1",), bits=4) -> None:
+    log("\n== MoE decode: 256 experts, hidden 2048, intermediate 512, top-8 (per projection and gate+up+down) ==")
+    e_count, hidden, inter, top_k = MOE["experts"], MOE["hidden"], MOE["intermediate"], MOE["top_k"]
+    for cb in codebooks:
+        gate = make_layer(hidden, inter, bits, cb, seed=1, experts=e_count)
+        up = make_layer(hidden, inter, bits, cb, seed=2, experts=e_count)
+        down = make_layer(inter, hidden, bits, cb, seed=3, experts=e_count)
+        ptrs = None
+        if exl3.ok:
+            def table(layer):
+                t, s, v = layer
+                return [torch.tensor([a[i].data_ptr() for i in range(e_count)], dtype=torch.long, device=DEVICE[0])
+                        for a in (t, s, v)]
+
+            ptrs = [table(p) for p in (gate, up, down)]
+            mcg, mul1 = cb == "mcg", cb == "mul1"
+        for tokens in (1, 4):
+            g = torch.Generator(device=DEVICE[0]).manual_seed(tokens)
+            ids = torch.stack([torch.randperm(e_count, generator=g, device=DEVICE[0])[:top_k] for _ in range(tokens)])
+            x = torch.randn(tokens, hidden, device=DEVICE[0]).half()
+            a = torch.randn(tokens * top_k, inter, device=DEVICE[0]).half()
+
+            def ours():
+                moe_decode(x, *gate, bits, cb, ids)
+                moe_decode(x, *up, bits, cb, ids)
+                moe_decode(a, *down, bits, cb, ids)
+
+            # correctness of one unit against the reference
+            y = moe_decode(x, *gate, bits, cb, ids)
+            e0 = int(ids[0, 0])
+            ref = reference.linear(x[:1].float(), gate[0][e0], gate[1][e0], gate[2][e0], bits, cb)
+            row = dict(kind="moe", codebook=cb, bits=bits, tokens=tokens, rel_ref=rel(y[0, 0:1], ref),
+                       ours_us=timed(ours), ours_graph_us=timed(ours, graph=True))
+            if ptrs is not None:
+                slots = tokens * top_k
+                flat = ids.reshape(1, slots).long()
+                xa = x.repeat_interleave(top_k, 0).view(slots, 1, hidden)
+                aa = a.view(slots, 1, inter)
+                c_gu = torch.empty(slots, 1, inter, dtype=torch.half, device=DEVICE[0])
+                c_d = torch.empty(slots, 1, hidden, dtype=torch.half, device=DEVICE[0])
+                had_gu = torch.empty(slots, 1, hidden, dtype=torch.half, device=DEVICE[0])
+                had_d = torch.empty(slots, 1, inter, dtype=torch.half, device=DEVICE[0])
+
+                def theirs():
+                    for (tp, sp, vp), inp, c, had in ((ptrs[0], xa, c_gu, had_gu), (ptrs[1], xa, c_gu, had_gu),
+                                                      (ptrs[2], aa, c_d, had_d)):
+                        exl3.ext.exl3_mgemm(inp, tp, c, sp, had, vp, flat, None, bits, -1, mcg, mul1, -1, -1, 0, 1,
+                                            None, None)
+
+                try:
+                    unit0 = _exl3_gate_unit(exl3, x, ptrs[0], flat, bits, mcg, mul1, hidden, inter, slots)
+                    row["exl3_rel_ref"] = rel(unit0, ref)
+                    row["exl3_us"] = timed(theirs)
+                    row["exl3_graph_us"] = timed(theirs, graph=True)
+                except Exception as exc:  # noqa: BLE001 -- report, keep benchmarking
+                    row["exl3_error"] = f"{type(exc).__name__}: {exc}"
+            RESULTS.append(row)
+            log(json.dumps(row))
+
+
+def _exl3_gate_unit(exl3, x, ptr, flat, bits, mcg, mul1, hidden, inter, slots):
+    """exllamav3's grouped GEMM output for unit 0 of the gate projection (a correctness cross-check)."""
+    top_k = slots // x.shape[0]
+    xa = x.repeat_interleave(top_k, 0).view(slots, 1, hidden)
+    c = torch.empty(slots, 1, inter, dtype=torch.half, device=DEVICE[0])
+    had = torch.empty(slots, 1, hidden, dtype=torch.half, device=DEVICE[0])
+    exl3.ext.exl3_mgemm(xa, ptr[0], c, ptr[1], had, ptr[2], flat, None, bits, -1, mcg, mul1, -1, -1, 0, 1, None, None)
+    return c[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one shape per section (a smoke run)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for results.json")
+    parser.add_argument("--sections", default="correct,decode,breakdown,prefill,moe,other")
+    parser.add_argument("--no-exl3", action="store_true", help="ours and torch only (e.g. while exllamav3 builds)")
+    parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which sections are skipped")
+    parser.add_argument("--tag", default="results", help="results file name stem")
+    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    DEADLINE[0] = args.deadline
+    if args.smoke:  # exercise every section on tiny shapes under TRITON_INTERPRET=1, no GPU
+        global SHAPES_27B, SHAPES_OTHER, DECODE_BITS, CROSSOVER_ROWS, PREFILL_ROWS
+        DEVICE[0] = "cpu"
+        SHAPES_27B, SHAPES_OTHER = [(256, 128)], [(128, 256)]
+        CROSSOVER_SHAPE[0] = (256, 128)
+        DECODE_BITS, CROSSOVER_ROWS, PREFILL_ROWS = (4,), (16, 300), 300
+        MOE.update(experts=8, hidden=256, intermediate=128, top_k=2)
+    elif not torch.cuda.is_available():
+        log("bench/kernels.py needs a CUDA device (run it on the H200 through bench/kernels-device.sh)")
+        return 2
+    import triton
+
+    name = torch.cuda.get_device_name() if DEVICE[0] == "cuda" else "cpu (interpreter smoke run)"
+    log(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}")
+    t0 = time.time()
+    exl3 = Exl3(enabled=not args.no_exl3)
+    log(f"exllamav3: {'ok' if exl3.ok else exl3.error}")
+
+    def due(name: str) -> bool:
+        if name not in sections:
+            return False
+        if args.deadline and time.time() > args.deadline:
+            log(f"\n(skipping {name}: past the deadline)")
+            return False
+        return True
+
+    copy_gbps = bench_copy_bandwidth() if DEVICE[0] == "cuda" else 1.0
+    rate = bench_decode_rate() if DEVICE[0] == "cuda" else 1.0
+    RESULTS.append(dict(kind="machine", device=name, copy_gbps=copy_gbps, decode_rate_wps=rate, exl3=exl3.error or "ok"))
+    shapes = SHAPES_27B[:1] if args.quick else SHAPES_27B
+    try:
+        if due("correct"):
+            check_correctness(exl3)
+        if due("decode"):
+            bench_decode(exl3, shapes, (4,) if args.quick else DECODE_BITS, ("mul1", "3inst"), DECODE_ROWS, copy_gbps)
+        if due("breakdown"):
+            bench_breakdown(shapes[:1] if args.quick else [(5120, 5120), (5120, 17408), (5120, 1024)])
+        if due("prefill"):
+            bench_prefill(exl3, shapes, (4,), ("mul1",), (PREFILL_ROWS,))
+            bench_prefill(exl3, [CROSSOVER_SHAPE[0]], (4,), ("mul1",), CROSSOVER_ROWS)
+        if due("moe"):
+            bench_moe(exl3)
+        if not args.quick and due("other"):
+            bench_decode(exl3, SHAPES_OTHER, (4,), ("mul1",), (1, 16), copy_gbps, graphs=False)
+            bench_prefill(exl3, SHAPES_OTHER, (4,), ("mul1",), (PREFILL_ROWS,))
+    finally:
+        path = os.path.join(args.out, f"{args.tag}.json")
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+        log(f"\nbench done in {time.time() - t0:.0f} s; results in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
