@@ -38,7 +38,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from exl3local import kernels
 from exl3local.errors import CheckpointError, ConfigError
 from exl3local.kernels import KernelPath, reference
-from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_cols, hadamard_rows
+from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_128
 from exl3local.manifest import MARKER_VALUES, TensorGroup
 from exl3local.plugin import trace
 
@@ -311,8 +311,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         """One expert projection reconstructed for this call only: W (padded k, padded n) fp32."""
         p = layer.exl3_proj[name]
         suh, svh = self.scales(layer, name, e)
-        w_inner = reference.decode_trellis(self.trellis(layer, name, e), p.bits, p.codebook).float()
-        return hadamard_rows(hadamard_cols(w_inner) * suh.float()[:, None]) * svh.float()[None, :]
+        w = reference.decode_trellis(self.trellis(layer, name, e), p.bits, p.codebook).float()
+        h = hadamard_128(w.device)
+        blocks_k, blocks_n = p.size_k // HADAMARD_BLOCK, p.size_n // HADAMARD_BLOCK
+        # Both blockwise Hadamards as batched matmuls on views (no transposed copies): Hk·Ŵ, then ·Hn.
+        w = (h @ w.view(blocks_k, HADAMARD_BLOCK, p.size_n)).view(p.size_k, p.size_n) * suh.float()[:, None]
+        w = (w.view(p.size_k, blocks_n, HADAMARD_BLOCK) @ h).view(p.size_k, p.size_n)
+        return w * svh.float()[None, :]
 
     def expert(self, layer: torch.nn.Module, e: int, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
         """silu(x·gate) ⊙ (x·up) ·down for rows x (m, padded hidden) fp32 → (m, padded hidden) fp32."""
