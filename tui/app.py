@@ -84,6 +84,9 @@ class Dashboard(App[None]):
 
     def on_mount(self) -> None:
         self.sub_title = self.client.base_url
+
+    def on_ready(self) -> None:
+        """The main screen's panels exist only now; results that arrived earlier would be lost."""
         self.poll()
 
     async def on_unmount(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import sys
@@ -137,6 +138,39 @@ class _QuietServer(ThreadingHTTPServer):
 def _engine_error(status: dict[str, Any]) -> dict[str, Any]:
     return {"error": {"type": "EngineError", "message": f"engine {status['state']}", "hint": "",
                       "fields": {"state": status["state"], "exit_status": None, "tail": ""}}}
+
+
+class StepClock:
+    """Advances a fixed step per call: each scrape is `step_s` after the one before, so rates and
+    sparklines do not depend on how fast the test machine is."""
+
+    def __init__(self, step_s: float = 2.0) -> None:
+        self.now = 0.0
+        self.step_s = step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+async def _wait_until(pilot, predicate, timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await pilot.pause(0.05)
+
+
+@pytest.fixture
+def step_clock():
+    return StepClock(2.0)
+
+
+@pytest.fixture
+def wait_until():
+    """`await wait_until(pilot, lambda: ...)`: let the app run until the condition holds (10 s max)."""
+    return _wait_until
 
 
 @pytest.fixture

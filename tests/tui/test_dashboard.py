@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 
 import pytest
 from textual.widgets import Log
@@ -25,27 +23,6 @@ SIZE = (120, 40)
 POLL_ONCE_S = 3600.0  # the worker polls once at start; tests drive further polls with poll_once()
 
 
-class StepClock:
-    """Advances a fixed step per call: each scrape is `step_s` after the one before."""
-
-    def __init__(self, step_s: float = 2.0) -> None:
-        self.now = 0.0
-        self.step_s = step_s
-
-    def __call__(self) -> float:
-        self.now += self.step_s
-        return self.now
-
-
-async def wait_for(pilot, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await pilot.pause(0.05)
-
-
 def rendered(widget, renderable=None) -> str:
     """What the widget draws (or `renderable` at the widget's width), without styles; runs of
     whitespace and line wraps become one space."""
@@ -56,17 +33,17 @@ def rendered(widget, renderable=None) -> str:
     return " ".join(console.export_text().split())
 
 
-async def test_ready_panels_show_the_recorded_numbers(stub_daemon, recorded):
+async def test_ready_panels_show_the_recorded_numbers(wait_until, step_clock, stub_daemon, recorded):
     stub_daemon.play_load()
     seen: list = []
-    app = make_dashboard(stub_daemon.url, POLL_ONCE_S, clock=StepClock(2.0))
+    app = make_dashboard(stub_daemon.url, POLL_ONCE_S, clock=step_clock)
     async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
-        await wait_for(pilot, lambda: any(isinstance(m, MetricsUpdated) for m in seen))
+        await wait_until(pilot, lambda: any(isinstance(m, MetricsUpdated) for m in seen))
         for _ in range(3):
             await app.poll_once()
         await pilot.pause()
         throughput = app.query_one(ThroughputPanel)
-        await wait_for(pilot, lambda: throughput.snapshot is not None
+        await wait_until(pilot, lambda: throughput.snapshot is not None
                        and throughput.snapshot.generation_tokens_total
                        == metrics.parse(recorded("load_3.txt")).generation_tokens_total)
         # rate between the last two scrapes, 2 s apart on the step clock
@@ -83,7 +60,7 @@ async def test_ready_panels_show_the_recorded_numbers(stub_daemon, recorded):
         memory = app.query_one(MemoryPanel)
         assert memory.kv_usage == metrics.parse(recorded("load_3.txt")).kv_cache_usage
         memory_text = rendered(memory)
-        assert "24.0 GiB" in memory_text and "2.1 GiB" in memory_text and "16,384 tokens" in memory_text
+        assert "24.0 GiB" in memory_text and "2.1 GiB" in memory_text and "16,384 tok" in memory_text
 
         kernels_text = rendered(app.query_one(KernelPanel))
         assert "3,072" in kernels_text and "1,536" in kernels_text
@@ -102,24 +79,24 @@ async def test_ready_panels_show_the_recorded_numbers(stub_daemon, recorded):
     assert log_gets[0] == "GET /api/logs?tail=200" and all("offset=" in r for r in log_gets[1:])
 
 
-async def test_new_log_text_is_appended(stub_daemon):
+async def test_new_log_text_is_appended(wait_until, stub_daemon):
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
     async with app.run_test(size=SIZE) as pilot:
         tail = app.query_one("#log-tail", Log)
-        await wait_for(pilot, lambda: tail.line_count > 0)
+        await wait_until(pilot, lambda: tail.line_count > 0)
         count = tail.line_count
         stub_daemon.log_text += "INFO first new line\nINFO second new line\n"
         await app.poll_once()
-        await wait_for(pilot, lambda: tail.line_count >= count + 2)
+        await wait_until(pilot, lambda: tail.line_count >= count + 2)
         assert tail.lines[-2:] == ["INFO first new line", "INFO second new line"]
 
 
-async def test_failed_engine_shows_state_and_error_and_asks_for_no_metrics(stub_daemon):
+async def test_failed_engine_shows_state_and_error_and_asks_for_no_metrics(wait_until, stub_daemon):
     stub_daemon.set_status("status_failed.json")
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
     async with app.run_test(size=SIZE) as pilot:
         engine = app.query_one(EnginePanel)
-        await wait_for(pilot, lambda: engine.status is not None)
+        await wait_until(pilot, lambda: engine.status is not None)
         text = rendered(engine)
         assert "FAILED" in text and "giving up" in text and "less than desired" in text
         assert engine.has_class("-bad")
@@ -127,51 +104,51 @@ async def test_failed_engine_shows_state_and_error_and_asks_for_no_metrics(stub_
     assert not any(r.startswith("GET /api/metrics") for r in stub_daemon.requests)
 
 
-async def test_survives_the_daemon_going_away_and_coming_back(stub_daemon):
+async def test_survives_the_daemon_going_away_and_coming_back(wait_until, stub_daemon):
     seen: list = []
     app = make_dashboard(stub_daemon.url, poll_s=0.1)
     async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
         engine = app.query_one(EnginePanel)
-        await wait_for(pilot, lambda: engine.status is not None)
+        await wait_until(pilot, lambda: engine.status is not None)
         stub_daemon.stop()
-        await wait_for(pilot, lambda: engine.lost is not None)
+        await wait_until(pilot, lambda: engine.lost is not None)
         assert "not reachable" in rendered(engine)
         assert engine.has_class("-lost")
         assert app.query_one(ThroughputPanel).snapshot is None
         stub_daemon.requests.clear()
         stub_daemon.start()
-        await wait_for(pilot, lambda: engine.lost is None)
-        await wait_for(pilot, lambda: app.query_one(ThroughputPanel).snapshot is not None)
+        await wait_until(pilot, lambda: engine.lost is None)
+        await wait_until(pilot, lambda: app.query_one(ThroughputPanel).snapshot is not None)
         assert "READY" in rendered(engine)
         # after a reconnect the log is fetched again from its tail
-        await wait_for(pilot, lambda: "GET /api/logs?tail=200" in stub_daemon.requests)
+        await wait_until(pilot, lambda: "GET /api/logs?tail=200" in stub_daemon.requests)
     lost_at = next(i for i, m in enumerate(seen) if isinstance(m, DaemonLost))
     assert any(isinstance(m, StatusUpdated) for m in seen[lost_at:])
 
 
-async def test_no_daemon_at_start_says_so(no_daemon_url):
+async def test_no_daemon_at_start_says_so(wait_until, no_daemon_url):
     app = make_dashboard(no_daemon_url, poll_s=0.2)
     async with app.run_test(size=SIZE) as pilot:
         engine = app.query_one(EnginePanel)
-        await wait_for(pilot, lambda: engine.lost is not None)
+        await wait_until(pilot, lambda: engine.lost is not None)
         text = rendered(engine)
         assert "NO DAEMON" in text and "exl3local up" in text
         assert app.sub_title == "daemon not reachable"
 
 
-async def test_daemon_without_kernel_counters_says_so(stub_daemon):
+async def test_daemon_without_kernel_counters_says_so(wait_until, stub_daemon):
     stub_daemon.kernels = None
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
     async with app.run_test(size=SIZE) as pilot:
         panel = app.query_one(KernelPanel)
-        await wait_for(pilot, lambda: not panel.available)
+        await wait_until(pilot, lambda: not panel.available)
         assert "does not report kernel paths" in rendered(panel)
 
 
-async def test_keys_help_profile_logs_and_quit(stub_daemon):
+async def test_keys_help_profile_logs_and_quit(wait_until, stub_daemon):
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.status is not None and app.query_one("#log-tail", Log).line_count > 0)
+        await wait_until(pilot, lambda: app.status is not None and app.query_one("#log-tail", Log).line_count > 0)
         await pilot.press("question_mark")
         assert isinstance(app.screen, InfoScreen) and app.screen.title_text == "Keys"
         await pilot.press("escape")
@@ -183,7 +160,7 @@ async def test_keys_help_profile_logs_and_quit(stub_daemon):
         await pilot.press("l")
         assert isinstance(app.screen, LogScreen)
         full = app.screen.query_one("#log-full", Log)
-        await wait_for(pilot, lambda: full.line_count > 0)
+        await wait_until(pilot, lambda: full.line_count > 0)
         assert full.lines[0] == app.query_one("#log-tail", Log).lines[0]
         await pilot.press("l")
         assert not isinstance(app.screen, LogScreen)
@@ -191,10 +168,10 @@ async def test_keys_help_profile_logs_and_quit(stub_daemon):
     assert app.return_code == 0
 
 
-async def test_restart_asks_first_and_posts_only_after_yes(stub_daemon):
+async def test_restart_asks_first_and_posts_only_after_yes(wait_until, stub_daemon):
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.status is not None)
+        await wait_until(pilot, lambda: app.status is not None)
         await pilot.press("r")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("n")
@@ -202,19 +179,19 @@ async def test_restart_asks_first_and_posts_only_after_yes(stub_daemon):
         assert stub_daemon.restarts == 0
         await pilot.press("r")
         await pilot.click("#yes")
-        await wait_for(pilot, lambda: stub_daemon.restarts == 1)
+        await wait_until(pilot, lambda: stub_daemon.restarts == 1)
         engine = app.query_one(EnginePanel)
-        await wait_for(pilot, lambda: engine.status is not None and engine.status.state == "STARTING")
+        await wait_until(pilot, lambda: engine.status is not None and engine.status.state == "STARTING")
     assert "POST /api/restart" in stub_daemon.requests
 
 
-async def test_restart_refused_by_the_daemon_is_shown_not_fatal(stub_daemon):
+async def test_restart_refused_by_the_daemon_is_shown_not_fatal(wait_until, stub_daemon):
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await wait_for(pilot, lambda: app.status is not None)
+        await wait_until(pilot, lambda: app.status is not None)
         stub_daemon.stop()
         await pilot.press("r", "y")
-        await wait_for(pilot, lambda: any("not reachable" in n.message for n in app._notifications))
+        await wait_until(pilot, lambda: any("not reachable" in n.message for n in app._notifications))
         assert app.is_running
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Grid
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Log
+from textual.widgets import Footer, Header
 
 from exl3local.tui.widgets.engine import EnginePanel
 from exl3local.tui.widgets.kernels import KernelPanel
+from exl3local.tui.widgets.logtail import LogTail
 from exl3local.tui.widgets.memory import MemoryPanel
 from exl3local.tui.widgets.throughput import ThroughputPanel
 
@@ -24,7 +25,7 @@ class MainScreen(Screen):
             yield _titled(ThroughputPanel(id="throughput"), "Throughput")
             yield _titled(MemoryPanel(id="memory"), "Memory")
             yield _titled(KernelPanel(id="kernels"), "EXL3 kernel paths")
-        yield _titled(Log(id="log-tail", max_lines=TAIL_LINES, auto_scroll=True), "Engine log  (l: expand)")
+        yield _titled(LogTail(id="log-tail", max_lines=TAIL_LINES), "Engine log  (l: expand)")
         yield Footer()
 
 

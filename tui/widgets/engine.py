@@ -35,9 +35,9 @@ def human_duration(seconds: float | None) -> str:
 class EnginePanel(Widget):
     """Shows the latest DaemonStatus, or why there is none (daemon down)."""
 
-    status: reactive[DaemonStatus | None] = reactive(None)
-    lost: reactive[str | None] = reactive(None)  # set while the daemon does not answer
-    lost_hint: reactive[str] = reactive("")
+    status: reactive[DaemonStatus | None] = reactive(None, layout=True)
+    lost: reactive[str | None] = reactive(None, layout=True)  # set while the daemon does not answer
+    lost_hint: reactive[str] = reactive("", layout=True)
 
     def watch_status(self, st: DaemonStatus | None) -> None:
         self.set_class(st is not None and st.state in (EngineState.FAILED, EngineState.BACKOFF), "-bad")

@@ -20,8 +20,8 @@ STATE_LABEL = {"ok": "ok", "latched_off": "OFF", "fallback": "FALLBACK"}
 
 
 class KernelPanel(Widget):
-    counts: reactive[KernelCounts | None] = reactive(None)
-    available: reactive[bool] = reactive(True)  # False: the daemon has no /api/kernels (older daemon)
+    counts: reactive[KernelCounts | None] = reactive(None, layout=True)
+    available: reactive[bool] = reactive(True, layout=True)  # False: the daemon has no /api/kernels (older daemon)
 
     def render(self) -> RenderableType:
         if not self.available:

@@ -42,8 +42,8 @@ def bar(parts: list[tuple[float, str]], total: float, width: int = BAR_WIDTH) ->
 
 
 class MemoryPanel(Widget):
-    status: reactive[DaemonStatus | None] = reactive(None)
-    kv_usage: reactive[float | None] = reactive(None)  # vllm:kv_cache_usage_perc, 0..1
+    status: reactive[DaemonStatus | None] = reactive(None, layout=True)
+    kv_usage: reactive[float | None] = reactive(None, layout=True)  # vllm:kv_cache_usage_perc, 0..1
 
     def render(self) -> RenderableType:
         st = self.status
@@ -73,7 +73,7 @@ class MemoryPanel(Widget):
             grid.add_row(
                 "System RAM",
                 bar([(engine, "magenta"), (used - engine, "cyan")], total),
-                f"{human_bytes(used)} / {human_bytes(total)} · {human_bytes(available)} free",
+                f"{human_bytes(used)} of {human_bytes(total)}, {human_bytes(available)} free",
             )
         else:
             grid.add_row("System RAM", "", Text("not reported by this daemon", style="dim"))
@@ -82,7 +82,8 @@ class MemoryPanel(Widget):
         if gpu_bytes is not None:
             shown = bar([(gpu_bytes, "green")], device_total) if device_total else Text("")
             of = f" of {human_bytes(device_total)}" if device_total else ""
-            grid.add_row("GPU memory", shown, f"{human_bytes(gpu_bytes)}{of} ({gpu_source or 'fdinfo'})")
+            source = (gpu_source or "").replace("drm-resident-", "")
+            grid.add_row("GPU memory", shown, f"{human_bytes(gpu_bytes)}{of} (fdinfo {source})")
         elif st.gpu is not None and st.gpu.kind == "cpu":
             grid.add_row("GPU memory", "", Text("none: serving on the CPU", style="dim"))
         else:
@@ -99,9 +100,9 @@ class MemoryPanel(Widget):
         grid.add_row(
             "Shared RAM",
             bar([(kv, "green"), (engine - kv, "magenta"), (others, "cyan")], total),
-            f"{human_bytes(total - available)} / {human_bytes(total)} · {human_bytes(available)} free",
+            f"{human_bytes(total - available)} of {human_bytes(total)}, {human_bytes(available)} free",
         )
-        source = gpu_source or "RSS"
+        source = f"fdinfo {gpu_source.replace('drm-resident-', '')}" if gpu_source else "RSS"
         grid.add_row("", Text("█ KV", style="green"), human_bytes(kv))
         grid.add_row("", Text("█ weights+rest", style="magenta"), f"{human_bytes(engine - kv)} (engine {human_bytes(engine)}, {source})")
         grid.add_row("", Text("█ other", style="cyan"), human_bytes(others))
@@ -112,8 +113,8 @@ class MemoryPanel(Widget):
         if st.kv_budget_bytes is None:
             return Text(""), Text("–", style="dim")
         usage = self.kv_usage
-        tokens = f" · {st.kv_budget_tokens:,} tokens" if st.kv_budget_tokens else ""
+        tokens = f", {st.kv_budget_tokens:,} tok" if st.kv_budget_tokens else ""
         how = "pinned" if st.kv_budget_pinned else "estimate"
         shown = bar([(usage, "green")], 1.0) if usage is not None else Text("")
-        used = f" · {usage * 100:.1f}% used" if usage is not None else ""
+        used = f", {usage * 100:.1f}% used" if usage is not None else ""
         return shown, f"{human_bytes(st.kv_budget_bytes)}{tokens} ({how}){used}"
