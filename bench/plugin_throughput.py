@@ -79,25 +79,21 @@ def dequantize(src: Path, dst: Path) -> None:
 def run(model: Path, quant: str, tokens: int, runs: int, env: dict[str, str], workdir: Path) -> dict:
     script = workdir / "child.py"
     script.write_text(CHILD)
-    proc = psutil.Popen(
-        [sys.executable, "-P", str(script), str(model), quant, str(tokens), str(runs)],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    peak = 0
-    lines = []
-    os.set_blocking(proc.stdout.fileno(), False)
-    while proc.poll() is None:
-        try:
-            tree = [proc, *proc.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
-        except psutil.Error:
-            pass
-        chunk = proc.stdout.read()
-        if chunk:
-            lines.append(chunk)
-        time.sleep(0.05)
-    lines.append(proc.stdout.read() or "")
-    text = "".join(lines)
+    log = workdir / f"{quant}-{len(list(workdir.glob('*.log')))}.log"
+    with log.open("w") as out:
+        proc = psutil.Popen(
+            [sys.executable, "-P", str(script), str(model), quant, str(tokens), str(runs)],
+            cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        peak = 0
+        while proc.poll() is None:
+            try:
+                tree = [proc, *proc.children(recursive=True)]
+                peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+    text = log.read_text()
     result = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), None)
     if result is None:
         raise RuntimeError(f"{quant} run failed:\n{text[-3000:]}")

@@ -67,23 +67,24 @@ class PartLayout:
         return a * b * c
 
 
-def _split_range(what: str, prefix: str, local: int, padded: int, rank: int, size: int) -> tuple[int, int]:
-    """The padded range rank `rank` of `size` holds when vLLM gives it `local` unpadded features."""
+def split_range(group: TensorGroup, what: str, local: int, padded: int, rank: int, size: int) -> tuple[int, int]:
+    """The padded range that rank `rank` of `size` holds when vLLM gives it `local` unpadded features."""
     if size == 1:
         if not padded - HADAMARD_BLOCK < local <= padded:
             raise CheckpointError(
-                prefix, None, f"{what} features padded from vLLM's {local} up to a multiple of 128", str(padded)
-            )
+                group.file, f"{group.prefix}.trellis",
+                f"{local} {what} features (the model config), padded up to a multiple of 128", str(padded),
+            )  # fmt: skip
         return 0, padded
     if local % HADAMARD_BLOCK:
         raise ConfigError(
-            f"{prefix}: tensor parallelism {size} splits {what} features into {local} per rank, which is not a "
+            f"{group.prefix}: tensor parallelism {size} splits {what} features into {local} per rank, which is not a "
             f"multiple of 128; EXL3 weights split only at 128-blocks",
             hint="serve with a tensor-parallel size that keeps every per-rank slice a multiple of 128",
         )
     start, end = rank * local, (rank + 1) * local
     if end > padded:
-        raise CheckpointError(prefix, None, f"at least {end} {what} features for rank {rank}", str(padded))
+        raise CheckpointError(group.file, f"{group.prefix}.trellis", f"at least {end} {what} features", str(padded))
     return start, end
 
 
@@ -123,15 +124,15 @@ class Exl3LinearMethod(LinearMethodBase):
         parts, trellis_words, svh_size = [], 0, 0
         k_local = None
         for i, (group, n_local) in enumerate(zip(self.groups, output_partition_sizes, strict=True)):
-            k_range = _split_range(
-                "input", group.prefix, input_size_per_partition, group.size_k, tp_rank if split_in else 0,
+            k_range = split_range(
+                group, "input", input_size_per_partition, group.size_k, tp_rank if split_in else 0,
                 tp_size if split_in else 1,
             )
             out_rank = tp_rank
             if split_out and i > 0 and getattr(layer, "num_kv_head_replicas", 1) > 1:
                 out_rank = tp_rank // layer.num_kv_head_replicas  # k/v heads replicated across ranks
-            n_range = _split_range(
-                "output", group.prefix, n_local, group.size_n, out_rank if split_out else 0, tp_size if split_out else 1
+            n_range = split_range(
+                group, "output", n_local, group.size_n, out_rank if split_out else 0, tp_size if split_out else 1
             )
             part = PartLayout(group, i, k_range, n_range, n_local, trellis_words, svh_size)
             if k_local is not None and part.size_k != k_local:
@@ -231,8 +232,9 @@ class Exl3LinearMethod(LinearMethodBase):
         layer.exl3_dense = None
         if env.DECODE_ONCE.get_bool():
             layer.exl3_dense = self.dense_weight(layer).to(layer.exl3_act_dtype)
+            if not trace.counters().snapshot()["flags"].get("decode_once"):
+                logger.warning("exl3: EXL3LOCAL_DECODE_ONCE=1: linears keep a dense copy of their weights (faster, more memory)")
             trace.set_flag("decode_once", True)
-            logger.warning("exl3: %s keeps a dense copy (EXL3LOCAL_DECODE_ONCE=1)", self.prefix)
 
     # -- views
     @staticmethod

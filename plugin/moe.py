@@ -27,7 +27,6 @@ There is no unquantized fallback: a path that cannot serve a call raises with th
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -41,14 +40,14 @@ from exl3local.kernels import KernelPath, reference
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_128
 from exl3local.manifest import MARKER_VALUES, TensorGroup
 from exl3local.plugin import trace
-
-logger = logging.getLogger("exl3local.plugin")
+from exl3local.plugin.linear import split_range
 
 TILE = reference.TILE
 # Speculative verify sends at most this many tokens per sequence step; each stays an M=1 unit.
 VERIFY_MAX_TOKENS = 4
-# Above this many tokens the dense per-expert reconstruction amortizes its decode over enough rows
-# to beat the grouped Hadamard-domain form (bench/moe_paths.py on the 2-core CPU: see issue-6 note).
+# Above this many tokens each expert sees enough rows (T*top_k/E) for a dense reconstruction to pay
+# for its two weight-side Hadamards. Provisional: bench/moe_paths.py on the shared 2-core CPU was too
+# noisy to place the crossover (docs/notes/issue-6.md); the GPU kernels must re-measure it.
 GROUPED_MAX_TOKENS = 128
 PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED, KernelPath.MOE_BATCHED)
 # vLLM's shard ids for the three projections: gate and up share the w13 params, down is w2.
@@ -100,7 +99,7 @@ class Projection:
         return (self.size_k // TILE, self.size_n // TILE, reference.words_per_tile(self.bits))
 
 
-def _uniform(config, groups: list[TensorGroup], name: str) -> TensorGroup:
+def _uniform(groups: list[TensorGroup], name: str) -> TensorGroup:
     """All experts' tensors of one projection must agree: one arena, one kernel (spec §6)."""
     first = groups[0]
     for g in groups[1:]:
@@ -112,20 +111,6 @@ def _uniform(config, groups: list[TensorGroup], name: str) -> TensorGroup:
                 hint="EXL3 routed experts need one K and codebook per projection across experts",
             )
     return first
-
-
-def _tp_range(prefix: str, what: str, local: int, padded: int, rank: int, size: int) -> tuple[int, int]:
-    if size == 1:
-        if not padded - HADAMARD_BLOCK < local <= padded:
-            raise CheckpointError(prefix, None, f"{what} {local} padded up to a multiple of 128", str(padded))
-        return 0, padded
-    if local % HADAMARD_BLOCK:
-        raise ConfigError(
-            f"{prefix}: tensor parallelism {size} gives each rank {local} {what} features of the routed experts, "
-            "not a multiple of 128; EXL3 experts split only at 128-blocks",
-            hint="use a tensor-parallel size that keeps the per-rank expert width a multiple of 128, or expert parallelism",
-        )
-    return rank * local, (rank + 1) * local
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
@@ -171,7 +156,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 if prefix not in groups:
                     raise CheckpointError(self.config._file(), f"{prefix}.trellis", "an EXL3 expert tensor group", "missing")
                 members.append(groups[prefix])
-            per_proj[proj] = _uniform(self.config, members, proj)
+            per_proj[proj] = _uniform(members, proj)
         if per_proj["gate"].codebook != per_proj["up"].codebook:
             raise CheckpointError(
                 per_proj["up"].file, per_proj["up"].prefix, f"the gate's codebook {per_proj['gate'].codebook}",
@@ -185,12 +170,12 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         proj = {}
         for name in ("gate", "up"):
             g = per_proj[name]
-            n_range = _tp_range(g.prefix, "intermediate", intermediate_size_per_partition, g.size_n, tp_rank, tp_size)
-            k_range = _tp_range(g.prefix, "hidden", hidden_size, g.size_k, 0, 1)
+            n_range = split_range(g, "intermediate", intermediate_size_per_partition, g.size_n, tp_rank, tp_size)
+            k_range = split_range(g, "hidden", hidden_size, g.size_k, 0, 1)
             proj[name] = Projection(name, g.bits, g.codebook, k_range[1] - k_range[0], n_range[1] - n_range[0], k_range, n_range)
         g = per_proj["down"]
-        k_range = _tp_range(g.prefix, "intermediate", intermediate_size_per_partition, g.size_k, tp_rank, tp_size)
-        n_range = _tp_range(g.prefix, "hidden", hidden_size, g.size_n, 0, 1)
+        k_range = split_range(g, "intermediate", intermediate_size_per_partition, g.size_k, tp_rank, tp_size)
+        n_range = split_range(g, "hidden", hidden_size, g.size_n, 0, 1)
         proj["down"] = Projection("down", g.bits, g.codebook, k_range[1] - k_range[0], n_range[1] - n_range[0], k_range, n_range)
         if proj["down"].size_k != proj["gate"].size_n:
             raise CheckpointError(g.file, g.prefix, f"padded input {proj['gate'].size_n} (gate's output)", str(proj["down"].size_k))

@@ -37,7 +37,10 @@ def free_port() -> int:
 class Server:
     """vLLM's OpenAI server for one checkpoint, started through exl3local's launcher module."""
 
-    def __init__(self, model: Path, log: Path, trace_dir: Path, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, model: Path, log: Path, trace_dir: Path, extra_env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
         self.model = model
         self.name = model.name
         self.port = free_port()
@@ -52,6 +55,7 @@ class Server:
             "--quantization", "exl3", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
             "--kv-cache-memory-bytes", KV_BYTES, "--max-logprobs", str(vocab),
         ]  # fmt: skip
+        self.argv += extra_args or []
         if not launch.has_chat_template(model):  # as the daemon does: a plain ChatML for base models
             self.argv += ["--chat-template", str(launch.FALLBACK_CHAT_TEMPLATE)]
         self.env = {
@@ -99,7 +103,9 @@ class Server:
         return self.log.read_bytes()[-size:].decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is None or self._out.closed:
+            return
+        if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
@@ -120,9 +126,11 @@ def serve(tmp_path_factory: pytest.TempPathFactory):
     """Start one server per (module, model); returns a function model_dir -> ready Server."""
     started: list[Server] = []
 
-    def start(model: Path, extra_env: dict[str, str] | None = None, wait: bool = True) -> Server:
+    def start(
+        model: Path, extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None, wait: bool = True
+    ) -> Server:
         root = tmp_path_factory.mktemp(f"serve-{model.name}")
-        server = Server(model, root / "vllm.log", root / "trace", extra_env).start()
+        server = Server(model, root / "vllm.log", root / "trace", extra_env, extra_args).start()
         started.append(server)
         return server.wait_ready() if wait else server
 
