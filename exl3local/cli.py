@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from exl3local import control, pull, service
+from exl3local import control, pull, service, tray
 from exl3local.errors import Exl3Error
 from exl3local.tui.command import add_dash
 
@@ -34,6 +34,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     pull.add_subcommands,  # pull, list, rm
     control.add_subcommands,  # up, down, status, logs, profile, doctor, daemon
     service.add_subcommands,  # service install|uninstall|status
+    tray.add_subcommands,  # tray: status icon + menu ([tray] extra)
     add_dash,  # dash: the Textual dashboard (exl3local.tui)
 ]
 

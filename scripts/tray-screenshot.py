@@ -1,0 +1,103 @@
+"""Screenshot of the tray menu for docs/: the real `TrayApp` with pystray's GTK backend, in Xvfb, docked in the
+minimal system tray of tests/desktop, right-clicked through XTEST; the daemon is a canned READY status.
+
+Needs Xvfb and GTK 3 with PyGObject (Debian: xvfb gir1.2-gtk-3.0 python3-gi); PyGObject is taken from the
+system's dist-packages when the venv has none. Usage: .venv/bin/python -P scripts/tray-screenshot.py OUT.png
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SWITCH_PROFILE_Y = 158  # where GTK's default theme puts that item under a 16 px tray icon
+STATUS = {
+    "api_version": 1, "state": "READY", "model": "/home/me/.cache/huggingface/hub/…/snapshots/581c5cd1",
+    "served_model_name": "turboderp/Qwen3-8B-exl3:4.0bpw", "profile": "b70",
+    "endpoint": "http://127.0.0.1:11436/v1",
+}  # fmt: skip
+
+
+def start_xvfb() -> tuple[subprocess.Popen, str]:
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "640x400x24", "-nolisten", "tcp"],
+                            pass_fds=(write_fd,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    os.close(write_fd)
+    select.select([read_fd], [], [], 30)
+    return proc, ":" + os.read(read_fd, 16).decode().strip()
+
+
+def main(out: str) -> None:
+    xvfb, display = start_xvfb()
+    try:
+        shoot_menu(display, out)
+    finally:
+        xvfb.terminate()
+        xvfb.wait(timeout=10)
+
+
+def shoot_menu(display: str, out: str) -> None:
+    os.environ.update(DISPLAY=display, PYSTRAY_BACKEND="gtk")
+    try:
+        import gi  # noqa: F401
+    except ImportError:
+        sys.path.append("/usr/lib/python3/dist-packages")
+    spec = importlib.util.spec_from_file_location("desktop_conftest", REPO / "tests" / "desktop" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = conftest  # dataclasses look their module up there
+    spec.loader.exec_module(conftest)
+    manager = conftest.TrayManager(display)
+    manager.start()
+
+    import httpx
+    from Xlib import X
+    from Xlib.ext import xtest
+
+    from exl3local import tray
+    from exl3local.api import DaemonClient
+
+    client = DaemonClient("127.0.0.1:1", transport=httpx.MockTransport(lambda r: httpx.Response(200, json=STATUS)))
+    app = tray.TrayApp(client, ["b70", "claw8", "140v", "cpu"], poll_s=0.5)
+    icon = app.icon()
+
+    def shoot() -> None:
+        icon.visible = True
+        app.refresh()
+        deadline = time.monotonic() + 20
+        while not manager.docked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        d = manager.d
+        xtest.fake_input(d, X.MotionNotify, x=8, y=8)  # GTK draws a 16 px icon in the slot's corner
+        xtest.fake_input(d, X.ButtonPress, 3)
+        xtest.fake_input(d, X.ButtonRelease, 3)
+        d.sync()
+        time.sleep(1.5)
+        xtest.fake_input(d, X.MotionNotify, x=60, y=SWITCH_PROFILE_Y)  # hover: the profile submenu opens
+        d.sync()
+        time.sleep(1.5)
+        manager.screenshot(out, 460, 250)
+        icon.stop()
+
+    threading.Thread(target=shoot, daemon=True).start()
+    from gi.repository import GLib
+
+    try:
+        icon.run(setup=lambda _: None)
+    except GLib.Error:
+        # pystray hides its notification on stop; Xvfb has no notification service to ask
+        if not Path(out).exists():
+            raise
+    finally:
+        manager.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else str(REPO / "docs" / "tray-menu.png"))
