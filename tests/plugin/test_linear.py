@@ -278,3 +278,21 @@ def test_decode_once_keeps_a_dense_copy_with_the_same_result(monkeypatch, vllm_l
     torch.testing.assert_close(layer.quant_method.apply(layer, x), ref(x, tensors, f"{LAYER}.mlp.down_proj"), rtol=1e-4, atol=1e-4)
     snap = trace.counters().snapshot()
     assert snap["flags"]["decode_once"] is True and snap["paths"]["decode_once"]["calls"] >= 1
+
+
+def test_register_adds_exl3_to_a_platform_list_once(tmp_path):
+    """On XPU/ROCm the platform keeps a non-empty supported list; register() must land in it, once."""
+    import subprocess
+    import sys
+
+    script = (
+        "from vllm.platforms import current_platform as p\n"
+        "p.__class__.supported_quantization = ['awq', 'gptq']\n"
+        "from exl3local.plugin import register\n"
+        "register(); register()\n"
+        "assert p.supported_quantization.count('exl3') == 1, p.supported_quantization\n"
+        "p.verify_quantization('exl3')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]

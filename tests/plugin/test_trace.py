@@ -1,0 +1,65 @@
+"""Kernel-path counters: in-memory counting, the per-process file format (docs/api.md), the first-use line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from exl3local.plugin import trace
+
+
+def test_counts_reach_the_file_and_totals(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("EXL3LOCAL_TRACE_PATHS", "1")
+    counters = trace.PathCounters(tmp_path)
+    counters.count("gemv", 1)
+    counters.count("gemv", 1)
+    counters.count("moe_grouped", 37)
+    counters.note_layer("TorchReferenceKernel")
+    counters.set_flag("decode_once", False)
+    counters.add_flag("moe_arena_bytes", 100)
+    counters.add_flag("moe_arena_bytes", 23)
+    counters.flush()
+    data = json.loads((tmp_path / f"kernel-paths-{os.getpid()}.json").read_text())
+    assert data["version"] == 1 and data["pid"] == os.getpid()
+    assert {p: (v["calls"], v["tokens"]) for p, v in data["paths"].items()} == {"gemv": (2, 2), "moe_grouped": (1, 37)}
+    assert data["paths"]["gemv"]["first_s"] <= data["paths"]["gemv"]["last_s"] <= data["updated"]
+    assert data["layers"] == {"TorchReferenceKernel": 1}
+    assert data["flags"] == {"decode_once": False, "moe_arena_bytes": 123}
+    err = capfd.readouterr().err
+    assert err.count("kernel path gemv engaged") == 1 and err.count("kernel path moe_grouped engaged") == 1
+    assert trace.totals(trace.read_all(tmp_path)) == {"gemv": {"calls": 2, "tokens": 2}, "moe_grouped": {"calls": 1, "tokens": 37}}
+
+
+def test_quiet_without_the_switch(tmp_path, monkeypatch, capfd):
+    monkeypatch.delenv("EXL3LOCAL_TRACE_PATHS", raising=False)
+    trace.PathCounters(tmp_path).count("gemv", 4)
+    assert "engaged" not in capfd.readouterr().err
+
+
+def test_reader_skips_dead_processes_and_sees_live_counts_from_another_process(tmp_path):
+    (tmp_path / "kernel-paths-999999999.json").write_text(json.dumps({"pid": 999999999, "paths": {"gemv": {"calls": 5}}}))
+    child = textwrap.dedent(
+        """
+        import sys, time
+        from exl3local.plugin import trace
+        trace.count("reference", 3)
+        trace.count("reference", 3)
+        time.sleep(1.2)  # the flusher thread rewrites the file within 0.5 s
+        print("counted", flush=True)
+        time.sleep(30)
+        """
+    )
+    env = {**os.environ, "EXL3LOCAL_TRACE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-P", "-c", child], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "counted"
+        snaps = trace.read_all(tmp_path)
+        assert [s["pid"] for s in snaps] == [proc.pid]
+        assert trace.totals(snaps) == {"reference": {"calls": 2, "tokens": 6}}
+        assert len(trace.read_all(tmp_path, live_only=False)) == 2
+    finally:
+        proc.kill()
+        proc.wait()
