@@ -84,14 +84,19 @@ def ensure_daemon(client: Any) -> None:
         return
     except DaemonUnavailable:
         pass
+    from exl3local import service
+
     # Its stderr goes to a file, not a pipe: the daemon outlives this command. Early errors
     # (lock, port) land there before its own log exists.
     errfile = paths.log_dir() / "daemon-start.err"
-    with open(errfile, "wb") as err:
-        child = subprocess.Popen(
-            [sys.executable, "-P", "-m", "exl3local", "daemon", "--detached"], cwd=str(paths.state_dir()),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-        )  # fmt: skip
+    # An installed systemd unit owns the daemon (restarts it, stops it at logout); else a detached one.
+    child = None
+    if not service.start_if_installed():
+        with open(errfile, "wb") as err:
+            child = subprocess.Popen(
+                [sys.executable, "-P", "-m", "exl3local", "daemon", "--detached"], cwd=str(paths.state_dir()),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+            )  # fmt: skip
     deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
@@ -99,7 +104,7 @@ def ensure_daemon(client: Any) -> None:
             return
         except DaemonUnavailable:
             time.sleep(0.1)
-        if child.poll() not in (None, 0):
+        if child is not None and child.poll() not in (None, 0):
             err = errfile.read_text(errors="replace").strip()
             if "already running" not in err:  # the other starter won: keep polling it
                 raise Exl3Error(f"the daemon could not start (exit status {child.returncode}):\n{err}",

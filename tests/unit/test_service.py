@@ -177,3 +177,14 @@ def test_cli_install_status_uninstall_with_the_real_systemctl(tmp_path):
     assert "up to date" in cli("status")
     assert "removed" in cli("uninstall")
     assert not (tmp_path / "c" / "systemd").exists()
+
+
+def test_up_starts_the_installed_unit_and_falls_back_when_systemd_cannot(layout, ctx, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(layout.config_home))
+    monkeypatch.setenv("XDG_DATA_HOME", str(layout.data_home))
+    systemctl = FakeSystemctl()
+    assert not service.start_if_installed(systemctl) and systemctl.calls == []  # not installed: detached daemon
+    service.install(layout, **ctx, systemctl=systemctl)
+    systemctl.calls.clear()
+    assert service.start_if_installed(systemctl) and systemctl.calls == [["start", service.UNIT]]
+    assert not service.start_if_installed(FakeSystemctl(reachable=False))
