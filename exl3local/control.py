@@ -149,6 +149,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     req = daemon.UpRequest(model=_resolve_model_arg(args.model), profile=args.profile, port=args.port,
                            overrides=_parse_sets(args.set), demo=args.demo)
+    if req.model is None and not req.demo:  # the profile's default model: pulled first, after asking
+        from exl3local import pull
+
+        pull.ensure_default_model(req.profile, req.overrides, confirm=_confirm_download if sys.stdin.isatty() else None)
     if args.foreground:
         return _up_foreground(req)
     with api.DaemonClient() as client:

@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -344,13 +344,28 @@ def _missing_bytes(repo_id: str, files: tuple[RemoteFile, ...]) -> int:
     return missing
 
 
+def _machine(profile_id: str | None = None, overrides: Mapping[str, str] | None = None) -> tuple[Any, Any]:
+    """(GpuInfo, Profile) as `up` would choose them here now: --profile, else pinned, else detected."""
+    from exl3local import daemon, env, hardware
+
+    sysfs = Path(env.SYSFS.get())  # the daemon probes the same tree
+    gpu, _ = hardware.choose(hardware.probe(sysfs))
+    profile, _ = daemon.select_profile(profile_id, overrides or {}, gpu, hardware.dmi_product(sysfs))
+    return gpu, profile
+
+
+def _fit_check(gpu: Any, profile: Any) -> Callable[[Manifest], None]:
+    from exl3local import budget
+
+    def check(manifest: Manifest) -> None:
+        budget.compute(gpu, budget.MemorySnapshot.now(), manifest, profile)
+
+    return check
+
+
 def fits_this_machine(manifest: Manifest) -> None:
     """BudgetError unless the model fits the profile `up` would pick here now (pinned, else detected)."""
-    from exl3local import budget, daemon, hardware
-
-    gpu, _ = hardware.choose(hardware.probe())
-    profile, _ = daemon.select_profile(None, {}, gpu, hardware.dmi_product())
-    budget.compute(gpu, budget.MemorySnapshot.now(), manifest, profile)
+    _fit_check(*_machine())(manifest)
 
 
 def check_disk(plan: Plan, free_bytes: Callable[[Path], int] | None = None) -> None:
@@ -537,6 +552,38 @@ def pull(
     if confirm is not None and not confirm(plan):
         raise Exl3Error(f"{ref}: download declined", hint=f"run `exl3local pull {ref}` when ready")
     return fetch(plan, progress=progress)
+
+
+def ensure_default_model(
+    profile_id: str | None = None,
+    overrides: Mapping[str, str] | None = None,
+    *,
+    confirm: Callable[[Plan], bool] | None,
+    architectures: Callable[[], frozenset[str]] = known_architectures,
+) -> PulledModel | None:
+    """`up` without a model: the profile's default repo, pulled first when missing.
+
+    The download is shown (`confirm` gets the plan with its size) before it starts; without a way to
+    ask (`confirm` None: no terminal) a missing default is refused with the size, never fetched silently.
+    None when the profile's default is the bundled demo model.
+    """
+    gpu, profile = _machine(profile_id, overrides)
+    repo = profile.model.get("repo")
+    if profile.model.get("demo") or not repo:
+        return None
+    ref = ModelRef(repo, profile.model.get("revision", "main"))
+    if (model := find(ref)) is not None:
+        return model
+
+    def ask(plan: Plan) -> bool:
+        if confirm is None:
+            raise Exl3Error(
+                f"profile {profile.id}'s default model {ref} is not pulled ({_human(plan.missing_bytes)} to download)",
+                hint=f"run `exl3local pull {ref}` first, or `exl3local up` in a terminal to be asked",
+            )
+        return confirm(plan)
+
+    return pull(ref, fit_check=_fit_check(gpu, profile), confirm=ask, architectures=architectures)
 
 
 def remove(model: PulledModel) -> int:

@@ -249,3 +249,41 @@ def test_list_shows_name_bpw_and_size(hub, hub_env):
     assert "Qwen3MoeForCausalLM" in lines[2]
     as_json = json.loads(_cli(hub_env, "list", "--json").communicate(timeout=60)[0])
     assert {(m["revision"], m["fits"]) for m in as_json} == {("2.5bpw", "yes"), ("4.0bpw", "yes")}
+
+
+# -- up without a model: the profile's default ------------------------------------------------------
+
+
+@pytest.fixture
+def hub_profile(tmp_path, monkeypatch) -> str:
+    """A user profile (CPU-matching, like the bundled cpu.toml) whose default model is a fake-hub repo."""
+    from importlib import resources
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    folder = tmp_path / "config" / "exl3local" / "profiles"
+    folder.mkdir(parents=True)
+    cpu = (resources.files("exl3local.profiles") / "cpu.toml").read_text()
+    assert "demo = true" in cpu
+    (folder / "hubtest.toml").write_text(cpu.replace("demo = true", f'repo = "{TINY}"\nrevision = "4.0bpw"'))
+    return "hubtest"
+
+
+def test_profile_default_is_pulled_after_a_confirmation_that_shows_the_size(hub, hub_env, hub_profile):
+    seen = []
+    model = pull_mod.ensure_default_model(hub_profile, confirm=lambda plan: seen.append(plan.missing_bytes) or True,
+                                          architectures=lambda: KNOWN)  # fmt: skip
+    assert model.name == f"{TINY}:4.0bpw" and seen and seen[0] >= 3_000_000
+    hub.log.clear()
+    assert pull_mod.ensure_default_model(hub_profile, confirm=None) == model  # there: no question, no request
+    assert hub.log == []
+
+
+def test_profile_default_is_never_fetched_without_asking(hub, hub_env, hub_profile):
+    with pytest.raises(Exl3Error, match=r"hubtest's default model .* is not pulled \(3\.\d MiB to download\)"):
+        pull_mod.ensure_default_model(hub_profile, confirm=None, architectures=lambda: KNOWN)
+    assert hub.weight_bytes_sent(TINY) == 0
+
+
+def test_the_demo_profile_needs_no_pull(hub, hub_env):
+    assert pull_mod.ensure_default_model("cpu", confirm=None) is None
+    assert hub.log == []
