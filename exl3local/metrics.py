@@ -21,6 +21,13 @@ REQUEST_SUCCESS = "vllm:request_success_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
+# Families the snapshot reads. vLLM's /metrics is ~600 lines (50 KB); handing prometheus_client only
+# these lines cuts a parse from ~18 ms to ~5 ms (2-core VM), most of the dashboard's idle CPU (issue-7 note).
+_FAMILIES = tuple(
+    name.removesuffix("_total")
+    for name in (PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE,
+                 REQUEST_SUCCESS, PREEMPTIONS, TTFT, ITL)
+)
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ def parse(text: str) -> MetricsSnapshot:
     malformed text raises ValueError from prometheus_client."""
     scalars: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_only_read_families(text)):
         for sample in family.samples:
             if sample.name.endswith("_bucket"):
                 le = float(sample.labels["le"])
@@ -95,6 +102,17 @@ def parse(text: str) -> MetricsSnapshot:
         ttft=histogram(TTFT),
         itl=histogram(ITL),
     )
+
+
+def _only_read_families(text: str) -> str:
+    """Drop the lines of families parse() does not read (a prefix match also keeps look-alike
+    families such as vllm:prompt_tokens_cached; their samples have other names and are ignored)."""
+    kept = []
+    for line in text.splitlines():
+        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if name.startswith(_FAMILIES):
+            kept.append(line)
+    return "\n".join(kept) + "\n"
 
 
 def rate_per_s(earlier: float, later: float, elapsed_s: float) -> float:

@@ -63,6 +63,8 @@ class StubDaemon:
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, like the real daemon (h11)
+
             def log_message(self, *args: object) -> None:  # keep pytest output clean
                 pass
 
