@@ -392,7 +392,7 @@ class Daemon:
         if self.plan is None or self.sup.state in (EngineState.STOPPED, EngineState.FAILED):
             raise errors.EngineError(self.sup.state.value, None, "", hint="kernel counters exist only while an engine runs")
         trace_dir = Path(self.plan.spec.env[launch.TRACE_DIR_ENV])
-        return engine_stats.kernel_summary(trace.read_all(trace_dir), time.time())
+        return engine_stats.kernel_summary(trace.read_all(trace_dir), time.time(), self.plan.gpu.kind)
 
     async def metrics(self) -> str:
         import httpx

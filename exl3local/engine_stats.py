@@ -28,7 +28,8 @@ KNOWN_PATHS = (
     "moe_batched",
     "reference",
 )
-# Reaching the reference decoder while serving means no fast kernel accepted those layers.
+# Reaching the reference decoder on a GPU means no fast kernel accepted those layers. On the CPU it is
+# the first choice (kernels.dispatch.CANDIDATES["cpu"]), so there it is not a fallback.
 FALLBACK_PATHS = frozenset({"reference"})
 
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -118,12 +119,14 @@ def memory_fields(engine_pid: int | None, gpu_kind: str | None) -> dict[str, Any
     return fields
 
 
-def kernel_summary(snapshots: Iterable[Mapping[str, Any]], now: float) -> dict[str, Any]:
+def kernel_summary(
+    snapshots: Iterable[Mapping[str, Any]], now: float, device_kind: str | None = None
+) -> dict[str, Any]:
     """Per-process counter files (trace.read_all()) → the GET /api/kernels answer.
 
     Every known path is listed, unused ones with zero calls. A path is `latched_off` when a process
     lists it in its `latched_off` flag ({path: reason}), `fallback` when it is a fallback path
-    (the reference decoder) that ran; the dashboard paints both red."""
+    (the reference decoder) that ran on a GPU (`device_kind` not "cpu"); the dashboard paints both red."""
     calls: dict[str, int] = {}
     tokens: dict[str, int] = {}
     last_seen: dict[str, float] = {}
@@ -146,7 +149,7 @@ def kernel_summary(snapshots: Iterable[Mapping[str, Any]], now: float) -> dict[s
         state, reason = "ok", None
         if path in latched:
             state, reason = "latched_off", latched[path]
-        elif path in FALLBACK_PATHS and calls.get(path, 0) > 0:
+        elif path in FALLBACK_PATHS and calls.get(path, 0) > 0 and device_kind != "cpu":
             state, reason = "fallback", "layers ran on the slow reference decoder: no fast kernel accepted them"
         rows.append({
             "path": path,

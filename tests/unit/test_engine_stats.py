@@ -96,6 +96,14 @@ def test_kernel_summary_sums_processes_and_flags_fallback_and_latched_paths():
     assert out["processes"] == 2 and out["updated"] == 1005.0
 
 
+def test_reference_is_the_first_choice_on_the_cpu_not_a_fallback():
+    snap = [{"updated": 1.0, "paths": {"reference": {"calls": 3, "tokens": 9}}}]
+    rows = {r["path"]: r for r in engine_stats.kernel_summary(snap, now=2.0, device_kind="cpu")["paths"]}
+    assert rows["reference"]["state"] == "ok" and rows["reference"]["calls"] == 3
+    rows = {r["path"]: r for r in engine_stats.kernel_summary(snap, now=2.0, device_kind="discrete")["paths"]}
+    assert rows["reference"]["state"] == "fallback"
+
+
 def test_kernel_summary_reads_what_trace_writes(tmp_path):
     trace = pytest.importorskip("exl3local.plugin.trace")
     counters = trace.PathCounters(directory=tmp_path, pid=os.getpid())
