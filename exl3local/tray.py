@@ -5,9 +5,10 @@ The icon's colour is the engine state; the menu shows the model and endpoint, co
 opens the dashboard in the user's terminal, restarts the engine, switches profile and stops it.
 
 `TrayView` (status → colour, tooltip, menu texts) and `TrayApp` (menu actions, refresh) are plain Python,
-tested without a display; pystray is imported only by `TrayApp.icon()`/`run()`. pystray's X11 backend
-(the one a pip install gets without PyGObject) shows no menus: there a click opens the dashboard, and
-`exl3local tray` says how to get the menu.
+tested without a display; pystray is imported only by `TrayApp.menu()`/`icon()`. pystray's X11 backend
+(the one a pip install gets without PyGObject) shows no menu and, in pystray 0.19.5, gets no clicks (its
+window does not select ButtonPress): there the icon only shows the state, and `exl3local tray` says how to
+get the menu (PyGObject: the GTK/AppIndicator backends).
 """
 
 from __future__ import annotations
@@ -268,8 +269,8 @@ def _cmd_tray(args: argparse.Namespace) -> int:
     from exl3local.api import DaemonClient
 
     if not backend_has_menu():
-        print("exl3local tray: this pystray backend (X11) shows no menus; clicking the icon opens the dashboard.\n"
-              "  For the full menu install PyGObject (the GTK/AppIndicator backends).", file=sys.stderr)  # fmt: skip
+        print("exl3local tray: this pystray backend (X11) shows no menus: the icon shows the engine state only.\n"
+              "  For the menu install PyGObject (pystray's GTK/AppIndicator backends).", file=sys.stderr)  # fmt: skip
     with DaemonClient() as client:
         TrayApp(client, profiles.names(), poll_s=args.poll).run()
     return 0
