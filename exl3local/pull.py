@@ -648,6 +648,20 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _served(model: PulledModel) -> bool:
+    """Is the daemon serving (or starting) this revision? Its files must not vanish under vLLM."""
+    from exl3local.api import DaemonClient
+    from exl3local.errors import DaemonUnavailable
+
+    try:
+        with DaemonClient() as client:
+            status = client.status()
+    except DaemonUnavailable:
+        return False
+    label = status.model or ""
+    return status.state.value in ("STARTING", "READY", "BACKOFF") and (model.path in label or model.commit[:12] in label)
+
+
 def _cmd_rm(args: argparse.Namespace) -> int:
     ref = ModelRef.parse(args.model)
     every_revision = ":" not in args.model and "@" not in args.model
@@ -658,6 +672,8 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     if not matches:
         raise ConfigError(f"{args.model}: not pulled", hint="`exl3local list` shows what is")
     for m in matches:
+        if _served(m):
+            raise ConfigError(f"{m.name} is being served by the daemon", hint="`exl3local down` (or `up` another model) first")
         if not args.yes:
             try:
                 answer = input(f"Remove {m.name} ({m.commit[:12]}, {_human(m.size_bytes)})? [y/N] ")

@@ -287,3 +287,30 @@ def test_profile_default_is_never_fetched_without_asking(hub, hub_env, hub_profi
 def test_the_demo_profile_needs_no_pull(hub, hub_env):
     assert pull_mod.ensure_default_model("cpu", confirm=None) is None
     assert hub.log == []
+
+
+def test_rm_refuses_the_model_the_daemon_serves(hub, hub_env, monkeypatch):
+    import exl3local.api
+    from exl3local.api import DaemonStatus
+
+    model = _pull(f"{TINY}:4.0bpw")
+    label = f"{model.repo_id}:{model.revision}@{model.commit[:12]}"  # how the daemon names a pulled model
+
+    class Serving:  # DaemonClient's surface that rm uses: a daemon serving this revision
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> Serving:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def status(self) -> DaemonStatus:
+            return DaemonStatus.from_json({"state": "READY", "model": label})
+
+    monkeypatch.setattr(exl3local.api, "DaemonClient", Serving)
+    from exl3local import cli
+
+    assert cli.main(["rm", f"{TINY}:4.0bpw", "--yes"]) == ConfigError.exit_code
+    assert Path(model.path).is_dir() and pull_mod.records() == [model]
