@@ -30,7 +30,9 @@ def served(tmp_path_factory, tiny_models):
 
 
 def _status(box) -> dict:
-    return json.loads(box.cli("status", "--json").stdout)
+    out = box.cli("status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def _complete(box) -> None:
@@ -70,7 +72,7 @@ def test_kill9_of_vllm_is_restarted_and_answers_again(served):
         st = _status(served)
         if st["state"] == "READY" and st["restarts"] == 1:
             break
-        assert st["state"] in ("READY", "BACKOFF", "STARTING"), st
+        assert st["state"] in ("READY", "BACKOFF", "STARTING"), (st["last_error"], st["stderr_tail"])
         assert time.monotonic() < deadline, st
         time.sleep(1)
     assert st["engine_pid"] != first
