@@ -238,7 +238,7 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: Any = None, python: str | Non
         raise errors.ConfigError(f"port {port} on {host} is already in use, so vLLM cannot listen there",
                                  hint=f"free port {port}, or choose another with `exl3local up --port N`")
     tmpdir = tempfile.mkdtemp(prefix="exl3local-engine-")
-    spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=host,
+    spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=host, gpu=gpu, gpus=gpus,
                         python=python or env.ENGINE_PYTHON.get() or sys.executable)
     key = (str(model_dir), json.dumps(prof.to_json(), sort_keys=True), port)
     return Plan(key=key, model_label=label, model_dir=model_dir, profile=prof,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,22 @@ def vllm_args(profile: Any, budget: Any) -> list[str]:
     return out
 
 
+def device_env(gpu: Any, gpus: Sequence[Any]) -> dict[str, str]:
+    """Pin the engine to the chosen device when the machine has several of its kind (an eGPU
+    beside an iGPU, two cards). Level Zero orders devices by PCI address only when asked to;
+    CUDA likewise. Every Intel GPU with a driver bound counts, since Level Zero lists them all
+    [inference from arc-platform.md §2/§5.2; unverified on a multi-GPU Arc box]."""
+    if gpu.vendor == "intel":
+        same = [g for g in gpus if g.vendor == "intel" and g.driver in ("xe", "i915")]
+        if len(same) > 1 and gpu in same:
+            return {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1", "ZE_AFFINITY_MASK": str(same.index(gpu))}
+    if gpu.vendor == "nvidia":
+        same = [g for g in gpus if g.vendor == "nvidia"]
+        if len(same) > 1 and gpu in same:
+            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(same.index(gpu))}
+    return {}
+
+
 def build(
     model_dir: Path,
     profile: Any,
@@ -94,8 +110,11 @@ def build(
     python: str = sys.executable,
     base_env: Mapping[str, str] | None = None,
     parent_pid: int | None = None,
+    gpu: Any = None,
+    gpus: Sequence[Any] = (),
 ) -> LaunchSpec:
-    """model_dir: a local EXL3 checkpoint; profile: profiles.Profile; budget: budget.Budget."""
+    """model_dir: a local EXL3 checkpoint; profile: profiles.Profile; budget: budget.Budget;
+    gpu/gpus: hardware.GpuInfo of the chosen device and of all devices (slot order)."""
     name = served_name or profile.model.get("served_name") or model_dir.name
     argv = [
         python, "-P", "-m", "exl3local.launch", "serve", str(model_dir),
@@ -106,9 +125,13 @@ def build(
     ]  # fmt: skip
     argv += vllm_args(profile, budget)
     if not has_chat_template(model_dir):
-        # Without one vLLM refuses /v1/chat/completions; base models get a plain ChatML.
+        # Without one vLLM refuses /v1/chat/completions; base models get plain "role: text" turns.
         argv += ["--chat-template", str(FALLBACK_CHAT_TEMPLATE)]
+    if gpu is not None and gpu.codename == "DG2" and "dtype" not in profile.vllm:
+        argv += ["--dtype", "float16"]  # vLLM's XPU platform refuses bf16 on Alchemist (arc-platform.md §5.3)
     env = dict(os.environ if base_env is None else base_env)
+    if gpu is not None:
+        env.update({k: v for k, v in device_env(gpu, gpus).items() if k not in env})  # the user's choice wins
     env.update(profile.env)
     env.update({
         "VLLM_NO_USAGE_STATS": "1",

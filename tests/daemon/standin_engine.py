@@ -5,6 +5,7 @@
   stdout open (as vLLM's EngineCore does), then serves /health, /metrics and /v1/models on
   --host/--port. SIGTERM ends it and its child, like vLLM's own handler.
 - STANDIN_MODE=crash: prints a traceback tail and exits 1 at start.
+- STANDIN_MODE=hang: prints one line, then nothing, and never serves.
 Each start appends "pid child_pid" to $STANDIN_LOG, so tests count engines and check for orphans.
 """
 
@@ -41,6 +42,8 @@ def main() -> None:
         print("Traceback (most recent call last):\nValueError: boom from stand-in", file=sys.stderr, flush=True)
         child.terminate()
         sys.exit(1)
+    if mode == "hang":  # silent, never healthy: the stall timeout must catch it
+        time.sleep(3600)
     time.sleep(float(os.environ.get("STANDIN_LOAD_S", "0.3")))
 
     class Handler(BaseHTTPRequestHandler):

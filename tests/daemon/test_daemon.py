@@ -215,3 +215,10 @@ def test_taken_daemon_port_is_reported_by_up(box, tiny_models):
         up = box.cli("up", str(tiny_models[TINY]))
     assert up.returncode == 1 and f"127.0.0.1:{box.daemon_port}" in up.stderr, up.stderr
     assert "Traceback" not in up.stderr and box.engines() == []
+
+
+def test_silent_engine_hits_the_stall_timeout_and_fails(box, tiny_models):
+    up = box.cli("up", str(tiny_models[TINY]), STANDIN_MODE="hang", EXL3LOCAL_STALL_TIMEOUT="1")
+    assert up.returncode == 7 and "no output and no /health for 1 s" in up.stderr, up.stderr
+    assert len(box.engines()) == 3
+    assert not any(pid_alive(p) for pair in box.engines() for p in pair)  # each hung group was ended

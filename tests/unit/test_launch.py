@@ -63,3 +63,19 @@ def test_launcher_patches_only_the_vllm_version_lookup():
         assert md.version("httpx") == real("httpx")
     finally:
         md.version = real
+
+
+def test_engine_is_pinned_to_the_chosen_gpu_when_there_are_several(machine, tiny_models, tmp_path):
+    gpus = hardware.probe(machine("a770"), use_udev=False)
+    gpu, _ = hardware.choose(gpus)
+    assert launch.device_env(gpu, gpus) == {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1", "ZE_AFFINITY_MASK": "1"}
+    (only,) = hardware.probe(machine("b70"), use_udev=False)
+    assert launch.device_env(only, [only]) == {}
+    model = tiny_models["tiny-llama-exl3-4.0bpw"]
+    prof = profiles.load("xpu")
+    b = budget.Budget(kv_budget_bytes=2**20, kv_budget_tokens=512, kv_bytes_per_token=2048, max_model_len=512,
+                      pinned=True)
+    spec = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), gpu=gpu, gpus=gpus,
+                        base_env={"ZE_AFFINITY_MASK": "0"})
+    assert spec.env["ZE_AFFINITY_MASK"] == "0"  # set by the user: kept
+    assert spec.argv[spec.argv.index("--dtype") + 1] == "float16"  # Alchemist: no bf16 in vLLM XPU
