@@ -261,6 +261,7 @@ class Daemon:
                               on_output=self.engine_log.write, on_spawn=self._record_engine,
                               on_reaped=self._forget_engine)
         self.plan: Plan | None = None
+        self.last_request: UpRequest | None = None
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self.token = secrets.token_urlsafe(32)
         self.gpus: list[hardware.GpuInfo] = []
@@ -311,6 +312,8 @@ class Daemon:
     # ---- operations ---------------------------------------------------------------------
     async def up(self, req: UpRequest) -> dict[str, Any]:
         async with self._lock:
+            if req == UpRequest() and self.last_request is not None:
+                req = self.last_request  # a bare `up`: keep (or bring back) what was served
             loop = asyncio.get_running_loop()
             alive = self.sup.state in (EngineState.STARTING, EngineState.READY, EngineState.BACKOFF)
             ours = self.plan.spec.port if self.plan is not None and alive else None
@@ -338,6 +341,7 @@ class Daemon:
             else:
                 await self.sup.stop()
             self.plan = new
+            self.last_request = req
             self.engine_log.mark(f"up: {new.model_label} with profile {new.profile.id}")
             await self.sup.start(new.spec)
             return self.status()

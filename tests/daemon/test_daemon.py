@@ -117,6 +117,11 @@ def test_second_up_on_another_port_moves_the_engine(box, tiny_models):
     assert _status(box)["endpoint"] == f"http://127.0.0.1:{port}/v1"
     first, second = box.engines()
     assert not pid_alive(first[0]) and pid_alive(second[0])
+    # a bare `up` keeps what is served (not the profile's default demo), without a restart
+    assert box.cli("up").returncode == 0
+    st = _status(box)
+    assert st["endpoint"] == f"http://127.0.0.1:{port}/v1" and st["model"] == str(tiny_models[TINY])
+    assert len(box.engines()) == 2
 
 
 @pytest.mark.parametrize("damage", ["not_exl3", "corrupt_header"])
