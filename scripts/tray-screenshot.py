@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import select
-import subprocess
 import sys
 import threading
 import time
@@ -25,34 +23,31 @@ STATUS = {
 }  # fmt: skip
 
 
-def start_xvfb() -> tuple[subprocess.Popen, str]:
-    read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen(["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "640x400x24", "-nolisten", "tcp"],
-                            pass_fds=(write_fd,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    os.close(write_fd)
-    select.select([read_fd], [], [], 30)
-    return proc, ":" + os.read(read_fd, 16).decode().strip()
+def load_desktop_conftest():
+    """The Xvfb starter and minimal system tray of tests/desktop."""
+    spec = importlib.util.spec_from_file_location("desktop_conftest", REPO / "tests" / "desktop" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = conftest  # dataclasses look their module up there
+    spec.loader.exec_module(conftest)
+    return conftest
 
 
 def main(out: str) -> None:
-    xvfb, display = start_xvfb()
+    conftest = load_desktop_conftest()
+    xvfb, display = conftest.start_xvfb(Path(out).with_suffix(".xvfb.log"))
     try:
-        shoot_menu(display, out)
+        shoot_menu(conftest, display, out)
     finally:
         xvfb.terminate()
         xvfb.wait(timeout=10)
 
 
-def shoot_menu(display: str, out: str) -> None:
+def shoot_menu(conftest, display: str, out: str) -> None:
     os.environ.update(DISPLAY=display, PYSTRAY_BACKEND="gtk")
     try:
         import gi  # noqa: F401
     except ImportError:
         sys.path.append("/usr/lib/python3/dist-packages")
-    spec = importlib.util.spec_from_file_location("desktop_conftest", REPO / "tests" / "desktop" / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = conftest  # dataclasses look their module up there
-    spec.loader.exec_module(conftest)
     manager = conftest.TrayManager(display)
     manager.start()
 

@@ -13,9 +13,11 @@ import select
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -23,24 +25,32 @@ SLOT_PX = 32
 TRAY_W, TRAY_H = 4 * SLOT_PX, SLOT_PX
 
 
+def start_xvfb(log_path: Path) -> tuple[subprocess.Popen, str]:
+    """Xvfb on the first free display from :90; another run may race us to a number, so a server that
+    exits before its socket appears moves us on to the next one."""
+    for number in range(90, 190):
+        if Path(f"/tmp/.X{number}-lock").exists():
+            continue
+        proc = subprocess.Popen(
+            ["Xvfb", f":{number}", "-screen", "0", "640x400x24", "-nolisten", "tcp", "-noreset"],
+            stdout=subprocess.DEVNULL, stderr=log_path.open("a"),
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while proc.poll() is None and time.monotonic() < deadline:
+            if Path(f"/tmp/.X11-unix/X{number}").exists():
+                return proc, f":{number}"
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+    pytest.fail(f"no X display could be started (see {log_path})")
+
+
 @pytest.fixture
 def xvfb(tmp_path, monkeypatch) -> Iterator[str]:
     """A private X display for one test; DISPLAY points at it."""
     if shutil.which("Xvfb") is None:
         pytest.skip("Xvfb not installed (scripts/setup installs it)")
-    read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen(
-        ["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "640x400x24", "-nolisten", "tcp", "-noreset"],
-        pass_fds=(write_fd,), stdout=subprocess.DEVNULL, stderr=(tmp_path / "xvfb.log").open("w"),
-    )  # fmt: skip
-    os.close(write_fd)
-    ready, _, _ = select.select([read_fd], [], [], 30)
-    number = os.read(read_fd, 16).decode().strip() if ready else ""
-    os.close(read_fd)
-    if not number:
-        proc.kill()
-        pytest.fail("Xvfb did not report its display within 30 s")
-    display = f":{number}"
+    proc, display = start_xvfb(tmp_path / "xvfb.log")
     monkeypatch.setenv("DISPLAY", display)
     yield display
     proc.terminate()
