@@ -153,8 +153,18 @@ class Plan:
     spec: Any
 
 
+def _env_number(var: env.EnvVar, kind: type) -> Any:
+    try:
+        value = kind(var.get())
+    except ValueError:
+        raise errors.ConfigError(f"{var.name}={var.get()!r} is not a number", hint=var.doc) from None
+    if value <= 0:
+        raise errors.ConfigError(f"{var.name} must be positive, got {value}", hint=var.doc)
+    return value
+
+
 def engine_port() -> int:
-    return int(env.ENGINE_PORT.get())
+    return _env_number(env.ENGINE_PORT, int)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -176,9 +186,11 @@ def read_profile_settings() -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise errors.ConfigError(f"{paths.pinned_profile()}: unreadable ({exc})",
                                  hint="fix it or run `exl3local profile --unpin`") from None
-    if not isinstance(data, dict):
-        raise errors.ConfigError(f"{paths.pinned_profile()}: expected a JSON object")
-    return {"pinned": data.get("pinned"), "set": dict(data.get("set") or {})}
+    pinned, sets = (data.get("pinned"), data.get("set") or {}) if isinstance(data, dict) else (None, None)
+    if not (isinstance(pinned, str | None) and isinstance(sets, dict) and all(isinstance(v, str) for v in sets.values())):
+        raise errors.ConfigError(f"{paths.pinned_profile()}: expected {{\"pinned\": NAME or null, \"set\": {{KEY: VALUE}}}}",
+                                 hint="fix it or run `exl3local profile --unpin`")
+    return {"pinned": pinned, "set": dict(sets)}
 
 
 def select_profile(requested: str | None, overrides: Mapping[str, str], gpu: hardware.GpuInfo,
@@ -257,7 +269,7 @@ class Daemon:
         self.sysfs_root = Path(sysfs_root or env.SYSFS.get())
         self.started = time.monotonic()
         self.engine_log = EngineLog(paths.engine_log())
-        self.sup = Supervisor(policy=policy or Policy(stall_timeout_s=float(env.STALL_TIMEOUT.get())),
+        self.sup = Supervisor(policy=policy or Policy(stall_timeout_s=_env_number(env.STALL_TIMEOUT, float)),
                               on_output=self.engine_log.write, on_spawn=self._record_engine,
                               on_reaped=self._forget_engine)
         self.plan: Plan | None = None
