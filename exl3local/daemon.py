@@ -242,7 +242,14 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: Any = None, python: str | Non
     gpu, gpu_why = hardware.choose(gpus)
     prof, why = select_profile(req.profile, req.overrides, gpu, hardware.dmi_product(sysfs_root))
     model_dir, label = resolve_model(req.model, req.demo, prof)
-    man = manifest.read(model_dir)
+    try:
+        man = manifest.read(model_dir)
+    except errors.CheckpointError as exc:
+        if Path(exc.file).is_absolute():
+            raise
+        # the manifest names files relative to the checkpoint; the user needs to know which one
+        raise errors.CheckpointError(str(model_dir / exc.file), exc.tensor, exc.expected, exc.found,
+                                     hint=exc.hint) from None
     bud = budget.compute(gpu, mem or budget.MemorySnapshot.now(), man, prof)
     port = req.port or engine_port()
     host = "127.0.0.1"
