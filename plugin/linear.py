@@ -261,7 +261,8 @@ class Exl3LinearMethod(LinearMethodBase):
             trace.count(DECODE_ONCE_PATH, rows)
             return F.linear(x, layer.exl3_dense, bias)
         parts = layer.exl3_parts
-        trace.count(layer.exl3_kernels[0].path_for(rows), rows)
+        for path in {kernel.path_for(rows) for kernel in layer.exl3_kernels}:  # parts may differ in bits
+            trace.count(path, rows)
         pad = parts[0].size_k - x.shape[-1]
         xp = F.pad(x, (0, pad)) if pad else x
         outs = []

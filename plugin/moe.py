@@ -315,6 +315,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     # -- forward
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         tokens = x.shape[0]
+        if tokens == 0:  # an empty batch (e.g. a data-parallel dummy step): nothing routed
+            return x.new_zeros(x.shape)
         path = select_path(tokens)
         trace.count(path, tokens)
         return self.run_path(layer, path, x, topk_weights, topk_ids)

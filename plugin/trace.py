@@ -56,6 +56,7 @@ class PathCounters:
         self._layers: dict[str, int] = {}  # "<kernel class> <path>" -> layers prepared that way
         self._flags: dict[str, Any] = {}
         self._dirty = False
+        self._broken = False  # set when the file cannot be written; then only memory counts
         self._flusher: threading.Thread | None = None
 
     @property
@@ -117,11 +118,18 @@ class PathCounters:
             if not self._dirty:
                 return
             self._dirty = False
+        if self._broken:
+            return
         data = self.snapshot()
-        target = self.file
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, target)
+        try:
+            target = self.file
+            tmp = target.with_name(f".{target.name}.tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, target)
+        except OSError as err:
+            # Counters are for the dashboard: an unwritable directory must not stop inference.
+            self._broken = True
+            print(f"exl3local: kernel path counters not written ({err}); counting continues in memory", file=sys.stderr, flush=True)
 
     def _start_flusher(self) -> None:
         with self._lock:

@@ -153,6 +153,13 @@ def test_apply_counts_the_selected_path(experts):
     assert (after["calls"] - before["calls"], after["tokens"] - before["tokens"]) == (1, 3)
 
 
+def test_an_empty_batch_routes_nothing(experts):
+    layer = experts[0]
+    x = torch.zeros(0, 256, dtype=torch.bfloat16)
+    out = layer.quant_method.apply(layer, x, torch.zeros(0, TOP_K), torch.zeros(0, TOP_K, dtype=torch.int32))
+    assert out.shape == (0, 256) and out.dtype == torch.bfloat16
+
+
 def test_loading_never_allocates_dense_expert_weights(loaded, experts, tiny_models):
     """All tensor memory allocated while loading the whole model (an upper bound on its peak: frees
     are never subtracted) stays below what the fp16 experts alone would take, by at least 20 %."""

@@ -63,3 +63,13 @@ def test_reader_skips_dead_processes_and_sees_live_counts_from_another_process(t
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_unwritable_directory_does_not_stop_counting(tmp_path, capfd):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    counters = trace.PathCounters(blocker)  # the file would go under a regular file: ENOTDIR
+    counters.count("gemv", 2)
+    counters.count("gemv", 2)
+    assert counters.snapshot()["paths"]["gemv"]["calls"] == 2
+    assert capfd.readouterr().err.count("not written") == 1
