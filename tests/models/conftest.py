@@ -51,6 +51,7 @@ class Served:
     status: int
     start: int | None = None  # body bytes actually sent: [start, end)
     end: int | None = None
+    auth: bool = False  # the request carried an Authorization header
 
 
 @dataclass
@@ -60,6 +61,7 @@ class FakeHub:
     corrupt: set[str] = field(default_factory=set)
     drop_after: dict[str, int] = field(default_factory=dict)
     throttle_bps: int | None = None
+    private: dict[str, str] = field(default_factory=dict)  # repo -> the token it needs (else 401, as the hub)
     endpoint: str = ""
     cdn: str = ""
 
@@ -123,7 +125,8 @@ def _handler(hub: FakeHub, server_name: str) -> type[BaseHTTPRequestHandler]:
 
         # -- plumbing -------------------------------------------------------------------------------
         def _entry(self, status: int) -> Served:
-            e = Served(server_name, self.command, urlsplit(self.path).path, self.headers.get("Range"), status)
+            e = Served(server_name, self.command, urlsplit(self.path).path, self.headers.get("Range"), status,
+                       auth="Authorization" in self.headers)  # fmt: skip
             hub.log.append(e)
             return e
 
@@ -206,7 +209,8 @@ def _handler(hub: FakeHub, server_name: str) -> type[BaseHTTPRequestHandler]:
 
         def _commit(self, repo_id: str, rev: str) -> tuple[str | None, dict | None]:
             repo = hub.repos.get(repo_id)
-            if repo is None:
+            token = hub.private.get(repo_id)
+            if repo is None or (token and self.headers.get("Authorization") != f"Bearer {token}"):
                 self._error(401, "RepoNotFound")
                 return None, None
             commit = repo["refs"].get(rev) or (rev if rev in repo["commits"] else None)
@@ -284,6 +288,31 @@ def _safetensors_split(data: bytes) -> tuple[dict, bytes]:
     return json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
+def _sharded(files: dict[str, bytes]) -> dict[str, bytes]:
+    """The same checkpoint as two shards + model.safetensors.index.json, split by layer as converters do."""
+    header, payload = _safetensors_split(files["model.safetensors"])
+
+    def shard_of(tensor: str) -> int:  # embedding and layers 0-1 first; layers 2-3, norm and lm_head second
+        if tensor.startswith("model.layers."):
+            return int(int(tensor.split(".")[2]) >= 2)
+        return int(not tensor.startswith("model.embed_tokens"))
+
+    out = {k: v for k, v in files.items() if k != "model.safetensors"}
+    weight_map: dict[str, str] = {}
+    for shard in (0, 1):
+        name = f"model-0000{shard + 1}-of-00002.safetensors"
+        part_header, data = {}, bytearray()
+        for tensor in sorted(t for t in header if t != "__metadata__" and shard_of(t) == shard):
+            begin, end = header[tensor]["data_offsets"]
+            part_header[tensor] = {**header[tensor], "data_offsets": [len(data), len(data) + end - begin]}
+            data += payload[begin:end]
+            weight_map[tensor] = name
+        out[name] = _safetensors_join(part_header, bytes(data))
+    index = {"metadata": {"total_size": len(payload)}, "weight_map": weight_map}
+    out["model.safetensors.index.json"] = json.dumps(index, indent=2).encode()
+    return out
+
+
 def _safetensors_join(header: dict, payload: bytes) -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -328,6 +357,8 @@ def hub_repos(tiny_models: dict[str, Path]) -> HubRepos:
             "turboderp-test/tiny-llama-exl3": {"main": readme, "4.0bpw": llama4, "2.5bpw": llama25},
             "turboderp-test/tiny-qwen3moe-exl3": {"4.0bpw": moe},
             "turboderp-test/tiny-llama-exl3-padded": {"main": padded},
+            "turboderp-test/tiny-llama-exl3-sharded": {"4.0bpw": _sharded(llama4)},
+            "private/tiny-llama-exl3": {"main": llama4},
             "other/tiny-llama-bf16": {"main": bf16},
             "other/tiny-llama-missing-tensor": {"main": missing},
             "other/tiny-llama-garbage-header": {"main": garbage},

@@ -80,6 +80,31 @@ def test_second_pull_only_resolves_the_revision(hub, hub_env):
     assert [e.path for e in hub.log if not e.path.startswith("/api/agent")] == [f"/api/models/{TINY}/revision/4.0bpw"]
 
 
+def test_a_sharded_checkpoint_is_checked_from_every_shard_header_and_pulled(hub, hub_env, hub_repos):
+    repo = "turboderp-test/tiny-llama-exl3-sharded"
+    files = hub_repos.files[repo]["4.0bpw"]
+    model = _pull(f"{repo}:4.0bpw")
+    shards = sorted(n for n in files if n.endswith(".safetensors"))
+    assert len(shards) == 2
+    for name in (*shards, "model.safetensors.index.json"):
+        assert (Path(model.path) / name).read_bytes() == files[name]
+    header_reads = [e.range for e in _cdn_gets(hub) if (e.range or "").startswith(("bytes=0-7", "bytes=8-"))]
+    assert len(header_reads) == 4  # two per shard, before any weight byte
+    shard_bytes = sum(len(files[n]) - 8 - int.from_bytes(files[n][:8], "little") for n in shards)
+    assert hub.weight_bytes_sent(repo) == shard_bytes  # each shard's weights once
+
+
+def test_a_private_repo_needs_the_token_and_the_cdn_never_sees_it(hub, hub_env, monkeypatch):
+    hub.private["private/tiny-llama-exl3"] = "hf_test_token"
+    with pytest.raises(Exl3Error, match="no such repo on the hub \\(or it is private\\)"):
+        _pull("private/tiny-llama-exl3")
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")  # huggingface_hub reads it per request
+    hub.log.clear()
+    assert _pull("private/tiny-llama-exl3").bits == 4.0
+    assert all(e.auth for e in hub.log if e.server == "hub" and not e.path.startswith("/api/agent"))
+    assert _cdn_gets(hub) and not any(e.auth for e in hub.log if e.server == "cdn")  # signed URL, no token
+
+
 # -- refusals before download ---------------------------------------------------------------------
 
 
