@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -536,6 +537,10 @@ def pull(
     """
     from huggingface_hub import constants
 
+    def say(line: str) -> None:  # the steps before the progress bars, which can take seconds
+        if progress:
+            print(f"{ref}: {line}", file=sys.stderr)
+
     if constants.is_offline_mode():
         model = find(ref)
         if model is None:
@@ -544,13 +549,19 @@ def pull(
     commit = resolve(ref)
     existing = find(ModelRef(ref.repo_id, commit))
     if existing is not None:
+        say(f"commit {commit[:12]} is already pulled")
         return existing
+    say(f"commit {commit[:12]}; reading config and safetensors headers")
     plan = preflight(ref, commit, architectures=architectures)
+    m = plan.manifest
+    say(f"EXL3 {m.quantization_config.get('bits', '?')} bpw, {m.architecture}, {len(m.quantized)} quantized linears, "
+        f"{_human(plan.total_bytes)} in {len(plan.files)} files: checks passed")  # fmt: skip
     if fit_check is not None and not force:
         fit_check(plan.manifest)
     check_disk(plan, free_bytes)
     if confirm is not None and not confirm(plan):
         raise Exl3Error(f"{ref}: download declined", hint=f"run `exl3local pull {ref}` when ready")
+    say(f"downloading {_human(plan.missing_bytes)} into {repo_folder(ref.repo_id)}")
     return fetch(plan, progress=progress)
 
 
