@@ -283,9 +283,10 @@ def load_vllm_model(vllm_dist):
     return load
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _trace_dir(tmp_path_factory: pytest.TempPathFactory):
-    """Counters written by in-process tests land in a temp dir, not the user's runtime dir."""
+    """Counters written by in-process tests land in a temp dir, not the user's runtime dir (module
+    scope: the variable is restored before other test directories run)."""
     path = tmp_path_factory.mktemp("kernel-paths")
     old = os.environ.get("EXL3LOCAL_TRACE_DIR")
     os.environ["EXL3LOCAL_TRACE_DIR"] = str(path)
