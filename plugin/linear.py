@@ -88,6 +88,16 @@ def split_range(group: TensorGroup, what: str, local: int, padded: int, rank: in
     return start, end
 
 
+def refuse_packed_signs(group: TensorGroup) -> None:
+    """Legacy packed sign vectors (su/sv) instead of suh/svh: no released quantizer writes them (spec §1.4)."""
+    for scale in ("suh", "svh"):
+        if f"{group.prefix}.{scale}" not in group.tensors:
+            raise CheckpointError(
+                group.file, f"{group.prefix}.{scale}", f"{scale} (fp16 scales)",
+                f"legacy packed signs {scale[:2]}, which exl3local does not load",
+            )  # fmt: skip
+
+
 class Exl3LinearMethod(LinearMethodBase):
     """An EXL3 linear: compressed trellis in memory, one kernel choice per part at load time."""
 
@@ -113,6 +123,8 @@ class Exl3LinearMethod(LinearMethodBase):
                 self.config._file(), self.prefix, f"{len(output_partition_sizes)} parts for vLLM's layer",
                 f"{len(self.groups)} ({[g.prefix for g in self.groups]})",
             )
+        for g in self.groups:
+            refuse_packed_signs(g)
         if getattr(layer, "has_bias", False) != any(g.has_bias for g in self.groups):
             raise CheckpointError(
                 self.config._file(), f"{self.prefix}.bias", f"bias={getattr(layer, 'has_bias', False)} (model config)",

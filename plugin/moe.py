@@ -40,7 +40,7 @@ from exl3local.kernels import KernelPath, reference
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_128
 from exl3local.manifest import MARKER_VALUES, TensorGroup
 from exl3local.plugin import trace
-from exl3local.plugin.linear import split_range
+from exl3local.plugin.linear import refuse_packed_signs, split_range
 
 TILE = reference.TILE
 # Speculative verify sends at most this many tokens per sequence step; each stays an M=1 unit.
@@ -155,6 +155,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 prefix = f"{self.prefix}.{e}.{ckpt}"
                 if prefix not in groups:
                     raise CheckpointError(self.config._file(), f"{prefix}.trellis", "an EXL3 expert tensor group", "missing")
+                refuse_packed_signs(groups[prefix])
                 members.append(groups[prefix])
             per_proj[proj] = _uniform(members, proj)
         if per_proj["gate"].codebook != per_proj["up"].codebook:

@@ -296,3 +296,17 @@ def test_register_adds_exl3_to_a_platform_list_once(tmp_path):
     )
     out = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_legacy_packed_signs_are_refused_by_name(vllm_linear, config):
+    import dataclasses
+
+    from exl3local.plugin.linear import Exl3LinearMethod
+
+    group = config.groups()[f"{LAYER}.self_attn.o_proj"]
+    legacy = dataclasses.replace(
+        group, tensors=tuple(t.replace(".suh", ".su") for t in group.tensors)
+    )
+    layer = torch.nn.Module()
+    with pytest.raises(CheckpointError, match=r"o_proj\.suh.*legacy packed signs su"):
+        Exl3LinearMethod(config, group.prefix, [legacy]).create_weights(layer, 256, [256], 256, 256, torch.bfloat16)
