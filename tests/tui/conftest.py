@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import sys
@@ -127,10 +128,30 @@ class StubDaemon:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._server.drop_connections()
             self._server = None
 
 
 class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.connections: set[socket.socket] = set()
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        conn, addr = super().get_request()
+        self.connections.add(conn)
+        return conn, addr
+
+    def drop_connections(self) -> None:
+        """Keep-alive connections outlive shutdown(); a daemon that went away has none left."""
+        for conn in list(self.connections):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        self.connections.clear()
+
     def handle_error(self, request: object, client_address: object) -> None:
         """A dashboard that quits mid-request resets the connection; that is not a test failure."""
         if not isinstance(sys.exc_info()[1], ConnectionError):

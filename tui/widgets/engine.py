@@ -35,15 +35,33 @@ def human_duration(seconds: float | None) -> str:
 class EnginePanel(Widget):
     """Shows the latest DaemonStatus, or why there is none (daemon down)."""
 
-    status: reactive[DaemonStatus | None] = reactive(None, layout=True)
-    lost: reactive[str | None] = reactive(None, layout=True)  # set while the daemon does not answer
-    lost_hint: reactive[str] = reactive("", layout=True)
+    status: reactive[DaemonStatus | None] = reactive(None)
+    lost: reactive[str | None] = reactive(None)  # set while the daemon does not answer
+    lost_hint: reactive[str] = reactive("")
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._shape: tuple = ()
 
     def watch_status(self, st: DaemonStatus | None) -> None:
         self.set_class(st is not None and st.state in (EngineState.FAILED, EngineState.BACKOFF), "-bad")
+        self._relayout_if_reshaped()
 
     def watch_lost(self, lost: str | None) -> None:
         self.set_class(lost is not None, "-lost")
+        self._relayout_if_reshaped()
+
+    def _relayout_if_reshaped(self) -> None:
+        """Uptime and state age change every poll; only a change in which lines are shown can
+        change the panel's height, and only that needs a (costly) layout pass."""
+        st = self.status
+        shape = (
+            self.lost,
+            None if st is None else (st.state, st.progress != "", st.last_error, st.stderr_tail, st.profile_reason),
+        )
+        if shape != self._shape:
+            self._shape = shape
+            self.refresh(layout=True)
 
     def render(self) -> RenderableType:
         if self.lost is not None or self.status is None:

@@ -20,8 +20,29 @@ STATE_LABEL = {"ok": "ok", "latched_off": "OFF", "fallback": "FALLBACK"}
 
 
 class KernelPanel(Widget):
-    counts: reactive[KernelCounts | None] = reactive(None, layout=True)
-    available: reactive[bool] = reactive(True, layout=True)  # False: the daemon has no /api/kernels (older daemon)
+    counts: reactive[KernelCounts | None] = reactive(None)
+    available: reactive[bool] = reactive(True)  # False: the daemon has no /api/kernels (older daemon)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._shape: tuple = ()
+
+    def watch_counts(self) -> None:
+        self._relayout_if_reshaped()
+
+    def watch_available(self) -> None:
+        self._relayout_if_reshaped()
+
+    def _relayout_if_reshaped(self) -> None:
+        """Counts change every poll under load; the panel's height changes only with its rows."""
+        counts = self.counts
+        shape = (
+            self.available,
+            None if counts is None else tuple((p.path, p.state, p.reason) for p in counts.paths),
+        )
+        if shape != self._shape:
+            self._shape = shape
+            self.refresh(layout=True)
 
     def render(self) -> RenderableType:
         if not self.available:

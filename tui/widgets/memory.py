@@ -42,8 +42,33 @@ def bar(parts: list[tuple[float, str]], total: float, width: int = BAR_WIDTH) ->
 
 
 class MemoryPanel(Widget):
-    status: reactive[DaemonStatus | None] = reactive(None, layout=True)
-    kv_usage: reactive[float | None] = reactive(None, layout=True)  # vllm:kv_cache_usage_perc, 0..1
+    status: reactive[DaemonStatus | None] = reactive(None)
+    kv_usage: reactive[float | None] = reactive(None)  # vllm:kv_cache_usage_perc, 0..1
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._shape: tuple = ()
+
+    def watch_status(self) -> None:
+        self._relayout_if_reshaped()
+
+    def watch_kv_usage(self) -> None:
+        self._relayout_if_reshaped()
+
+    def _relayout_if_reshaped(self) -> None:
+        """The numbers change every poll; the rows shown (and so the height) rarely do."""
+        st = self.status
+        raw = st.raw if st is not None else {}
+        shape = (
+            st is None,
+            None if st is None or st.gpu is None else st.gpu.kind,
+            tuple(raw.get(k) is None for k in ("system_memory_total_bytes", "engine_gpu_memory_bytes")),
+            None if st is None else st.kv_budget_bytes is None,
+            self.kv_usage is None,
+        )
+        if shape != self._shape:
+            self._shape = shape
+            self.refresh(layout=True)
 
     def render(self) -> RenderableType:
         st = self.status
