@@ -153,6 +153,29 @@ def test_apply_counts_the_selected_path(experts):
     assert (after["calls"] - before["calls"], after["tokens"] - before["tokens"]) == (1, 3)
 
 
+def test_experts_with_different_bits_in_one_projection_are_refused(experts):
+    import dataclasses
+
+    from exl3local.errors import CheckpointError
+    from exl3local.plugin.moe import Exl3MoEMethod
+
+    layer = experts[0]
+    config = layer.quant_method.config
+    odd = f"{layer.layer_name}.5.down_proj"
+    groups = dict(config.groups())
+    groups[odd] = dataclasses.replace(groups[odd], bits=3.0)
+
+    class Patched(type(config)):
+        def groups(self):
+            return groups
+
+    patched = Patched(config.quant_config, config.checkpoint)
+    with pytest.raises(CheckpointError, match=rf"{odd}: expected down like .*4 bits.*found 3 bits"):
+        Exl3MoEMethod(patched, layer, layer.layer_name).create_weights(
+            layer, 16, 256, 128, torch.bfloat16, global_num_experts=16
+        )
+
+
 def test_an_empty_batch_routes_nothing(experts):
     layer = experts[0]
     x = torch.zeros(0, 256, dtype=torch.bfloat16)
