@@ -414,6 +414,42 @@ def _git_sha1(path: Path) -> str:
     return h.hexdigest()
 
 
+class _HashingWriter:
+    """The .part file as http_get writes it, hashed on the way: no second read of a many-GB file.
+
+    A resumed file's kept prefix is hashed once first. When a server ignores the Range request,
+    http_get rewinds and truncates; the hash then restarts from what is left.
+    """
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self._rehash()
+
+    def _rehash(self) -> None:
+        self.sha256 = hashlib.sha256()
+        end = self._f.tell()
+        self._f.seek(0)
+        while self._f.tell() < end and (chunk := self._f.read(min(HASH_CHUNK, end - self._f.tell()))):
+            self.sha256.update(chunk)
+        self._f.seek(end)
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        result = self._f.truncate(size)
+        self._f.seek(result)
+        self._rehash()
+        return result
+
+
 def _download_lfs(ref: ModelRef, commit: str, f: RemoteFile, folder: Path) -> None:
     """One LFS file into staging (resuming a kept .part), sha256-checked, then renamed into blobs/."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
@@ -428,11 +464,15 @@ def _download_lfs(ref: ModelRef, commit: str, f: RemoteFile, folder: Path) -> No
     headers = build_hf_headers()
     if _origin(meta.location) != _origin(hf_hub_url(ref.repo_id, f.path, revision=commit)):
         headers.pop("authorization", None)  # a signed CDN URL: the token stays on the hub
-    with part.open("ab") as out:
-        if out.tell() > f.size:  # longer than the file can be: not a prefix of it
-            out.truncate(0)
+    part.parent.mkdir(parents=True, exist_ok=True)
+    with part.open("a+b") as raw:
+        raw.seek(0, os.SEEK_END)
+        if raw.tell() > f.size:  # longer than the file can be: not a prefix of it
+            raw.truncate(0)
+            raw.seek(0)
+        out = _HashingWriter(raw)
         http_get(meta.location, out, resume_size=out.tell(), headers=headers, expected_size=f.size, displayed_filename=f.path)
-    found = _sha256(part)
+    found = out.sha256.hexdigest()
     if found != f.sha256:
         part.unlink()
         raise CheckpointError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -193,6 +194,17 @@ def test_dropped_connection_resumes_with_a_range_request(hub, hub_env, hub_repos
     assert [e.range for e in _weight_gets(hub)] == [None, f"bytes={written}-"]
     assert sum(e.end - e.start for e in _weight_gets(hub)) == len(data) + 15_000_000 - written
     assert (Path(model.path) / "model.safetensors").read_bytes() == data
+
+
+def test_a_server_that_ignores_the_range_request_gets_a_clean_restart(hub, hub_env, hub_repos):
+    data = hub_repos.files[PADDED]["main"]["model.safetensors"]
+    staging = pull_mod.repo_folder(PADDED) / pull_mod.STAGING_DIR
+    staging.mkdir(parents=True)
+    (staging / f"{hashlib.sha256(data).hexdigest()}.part").write_bytes(data[:5_000_000])  # a kept partial
+    hub.ignore_range.add("model.safetensors")
+    model = _pull(PADDED)
+    assert [(e.range, e.status) for e in _weight_gets(hub)] == [("bytes=5000000-", 200)]
+    assert (Path(model.path) / "model.safetensors").read_bytes() == data  # rewound, re-hashed, verified
 
 
 def test_interrupted_pull_is_not_listed_and_resumes_after_ctrl_c(hub, hub_env, hub_repos):
