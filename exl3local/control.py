@@ -144,12 +144,28 @@ def _print_ready(st: Any) -> None:
     print(f"OpenAI endpoint: {st.endpoint}  model: {st.served_model_name}")
 
 
+def _keeps_current_model(req: Any) -> bool:
+    """A bare `up` while the daemon serves something keeps that (daemon.Daemon.up), so the
+    profile's default model is not needed then."""
+    from exl3local import api, daemon
+    from exl3local.errors import DaemonUnavailable
+
+    if req != daemon.UpRequest():
+        return False
+    try:
+        with api.DaemonClient() as client:
+            return client.status().model is not None
+    except DaemonUnavailable:
+        return False
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from exl3local import api, daemon
 
     req = daemon.UpRequest(model=_resolve_model_arg(args.model), profile=args.profile, port=args.port,
                            overrides=_parse_sets(args.set), demo=args.demo)
-    if req.model is None and not req.demo:  # the profile's default model: pulled first, after asking
+    if req.model is None and not req.demo and not _keeps_current_model(req):
+        # the profile's default model: pulled first, after asking
         from exl3local import pull
 
         pull.ensure_default_model(req.profile, req.overrides, confirm=_confirm_download if sys.stdin.isatty() else None)

@@ -227,3 +227,11 @@ def test_silent_engine_hits_the_stall_timeout_and_fails(box, tiny_models):
     assert up.returncode == 7 and "no output and no /health for 1 s" in up.stderr, up.stderr
     assert len(box.engines()) == 3
     assert not any(pid_alive(p) for pair in box.engines() for p in pair)  # each hung group was ended
+
+
+def test_bare_up_keeps_the_served_model_without_fetching_the_profile_default(box, tiny_models):
+    assert box.cli("profile", "b70").returncode == 0  # its default is a hub model, not pulled here
+    assert box.cli("up", str(tiny_models[TINY])).returncode == 0
+    up = box.cli("up")  # no terminal, offline: fetching the default would be refused
+    assert up.returncode == 0, up.stderr
+    assert _status(box)["model"] == str(tiny_models[TINY]) and len(box.engines()) == 1
