@@ -425,10 +425,8 @@ def _check_engine(python: str) -> tuple[bool, str]:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    import socket
-
-    from exl3local import budget, daemon, env, hardware, manifest, paths
-    from exl3local.errors import Exl3Error
+    from exl3local import api, budget, daemon, env, hardware, manifest, paths
+    from exl3local.errors import DaemonUnavailable, Exl3Error
 
     results: list[tuple[bool | None, str, str]] = []
 
@@ -468,10 +466,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     free = daemon.port_free("127.0.0.1", port)
     check("port", free or None, f"127.0.0.1:{port} is free" if free else
           f"127.0.0.1:{port} is in use (by the engine if it is running; else pick another with `up --port`)")
-    host, dport = daemon.split_host(env.HOST.get())
-    with socket.socket() as s:
-        running = s.connect_ex((host, dport)) == 0
-    check("daemon", True, f"{'running' if running else 'not running'} at {host}:{dport}; logs in {paths.log_dir()}")
+    with api.DaemonClient() as client:
+        try:
+            pid = client.heartbeat().get("daemon_pid")
+            where = f"running (pid {pid}) at {client.base_url}"
+        except DaemonUnavailable:
+            where = f"not running at {client.base_url}"
+    check("daemon", True, f"{where}; logs in {paths.log_dir()}")
     for var in env.ALL:
         if var.name in os.environ:
             print(f"       env {var.name}={os.environ[var.name]}  ({var.doc})")
