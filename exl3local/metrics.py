@@ -56,6 +56,18 @@ class Histogram:
             lower_bound, lower_count = bound, cumulative
         return lower_bound
 
+    def since(self, earlier: Histogram) -> Histogram:
+        """Observations made after `earlier` (an older scrape of the same histogram). After a reset
+        (fewer observations than before: the engine restarted) everything counts as new."""
+        if earlier.count > self.count or dict(earlier.buckets).keys() != dict(self.buckets).keys():
+            return self
+        before = dict(earlier.buckets)
+        return Histogram(
+            buckets=tuple((bound, count - before[bound]) for bound, count in self.buckets),
+            count=self.count - earlier.count,
+            sum=self.sum - earlier.sum,
+        )
+
 
 @dataclass(frozen=True)
 class MetricsSnapshot:

@@ -52,6 +52,10 @@ async def test_ready_panels_show_the_recorded_numbers(wait_until, step_clock, st
         assert after > before
         assert throughput.gen_tok_s == pytest.approx((after - before) / 2.0)
         assert "tok/s" in str(app.query_one("#gen-rate").render())
+        # latency percentiles over the scrapes of the last minute (all four are within it)
+        window_itl = metrics.parse(recorded("load_3.txt")).itl.since(metrics.parse(recorded("load_0.txt")).itl)
+        queue = str(app.query_one("#queue").content)
+        assert "(last minute)" in queue and f"p50 {window_itl.quantile(0.5) * 1000:.0f} ms" in queue
 
         engine_text = rendered(app.query_one(EnginePanel))
         assert "READY" in engine_text and "tiny-llama-exl3-4.0bpw" in engine_text

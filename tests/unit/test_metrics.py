@@ -55,3 +55,20 @@ def test_rate_treats_a_lower_counter_as_an_engine_restart():
 def test_malformed_text_raises_value_error():
     with pytest.raises(ValueError):
         metrics.parse('vllm:generation_tokens_total{engine="0" 1\n')
+
+
+def test_since_keeps_only_the_newer_observations():
+    older = metrics.Histogram(buckets=((0.1, 2.0), (0.2, 5.0), (float("inf"), 5.0)), count=5.0, sum=0.6)
+    newer = metrics.Histogram(buckets=((0.1, 2.0), (0.2, 9.0), (float("inf"), 10.0)), count=10.0, sum=1.9)
+    diff = newer.since(older)
+    assert diff.buckets == ((0.1, 0.0), (0.2, 4.0), (float("inf"), 5.0)) and diff.count == 5.0
+    assert diff.sum == pytest.approx(1.3)
+    assert older.since(newer) is older  # a reset: the engine restarted, all of it is new
+
+
+def test_window_of_recorded_scrapes_has_its_own_percentiles():
+    first = metrics.parse((DATA / "load_2.txt").read_text())
+    last = metrics.parse((DATA / "load_8.txt").read_text())
+    window = last.itl.since(first.itl)
+    assert 0 < window.count < last.itl.count
+    assert window.quantile(0.5) is not None

@@ -15,6 +15,8 @@ from exl3local.metrics import MetricsSnapshot, rate_per_s
 
 # Two minutes at the default 1 s poll: enough to see a burst of requests and its tail.
 HISTORY_SAMPLES = 120
+# Latency percentiles cover the last minute of requests; with none in it, everything since start.
+LATENCY_WINDOW_S = 60.0
 NO_METRICS = Text("no metrics: the engine is not READY", style="dim")
 
 
@@ -36,6 +38,7 @@ class ThroughputPanel(Widget):
         self._gen_history: deque[float] = deque(maxlen=HISTORY_SAMPLES)
         self._prompt_history: deque[float] = deque(maxlen=HISTORY_SAMPLES)
         self._last: tuple[MetricsSnapshot, float] | None = None
+        self._window: deque[tuple[float, MetricsSnapshot]] = deque()  # scrapes of the last minute
 
     def compose(self) -> ComposeResult:
         with Horizontal(classes="rate-row"):
@@ -62,6 +65,9 @@ class ThroughputPanel(Widget):
             self.query_one("#gen-spark", Sparkline).data = list(self._gen_history)
             self.query_one("#prompt-spark", Sparkline).data = list(self._prompt_history)
         self._last = (snapshot, at_s)
+        self._window.append((at_s, snapshot))
+        while self._window and at_s - self._window[0][0] > LATENCY_WINDOW_S:
+            self._window.popleft()
         self.snapshot = snapshot
 
     def watch_gen_tok_s(self, value: float | None) -> None:
@@ -74,19 +80,24 @@ class ThroughputPanel(Widget):
         if snap is None:
             self.query_one("#queue", Static).update(NO_METRICS)
             return
+        ttft, itl, span = snap.ttft, snap.itl, "since engine start"
+        oldest = self._window[0][1] if self._window else snap
+        if snap.ttft.since(oldest.ttft).count > 0 or snap.itl.since(oldest.itl).count > 0:
+            ttft, itl, span = snap.ttft.since(oldest.ttft), snap.itl.since(oldest.itl), "last minute"
         text = Text.assemble(
             ("requests ", "bold"), f"running {snap.requests_running:.0f} · waiting {snap.requests_waiting:.0f}",
             f" · done {snap.request_success_total:.0f} · preempted {snap.preemptions_total:.0f}\n",
             ("tokens   ", "bold"), f"{snap.prompt_tokens_total:,.0f} prompt · {snap.generation_tokens_total:,.0f} generated\n",
-            ("TTFT     ", "bold"), f"p50 {human_latency(snap.ttft.quantile(0.5))} · p95 {human_latency(snap.ttft.quantile(0.95))}\n",
-            ("ITL      ", "bold"), f"p50 {human_latency(snap.itl.quantile(0.5))} · p95 {human_latency(snap.itl.quantile(0.95))}",
-            ("   (latencies since engine start)", "dim"),
+            ("TTFT     ", "bold"), f"p50 {human_latency(ttft.quantile(0.5))} · p95 {human_latency(ttft.quantile(0.95))}\n",
+            ("ITL      ", "bold"), f"p50 {human_latency(itl.quantile(0.5))} · p95 {human_latency(itl.quantile(0.95))}",
+            (f"   ({span})", "dim"),
         )
         self.query_one("#queue", Static).update(text)
 
     def clear(self) -> None:
         """The engine went away: its counters restart from zero, so drop the baseline too."""
         self._last = None
+        self._window.clear()
         self.gen_tok_s = None
         self.prompt_tok_s = None
         self.snapshot = None
