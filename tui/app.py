@@ -108,6 +108,10 @@ class Dashboard(App[None]):
             self._log_offset = None
             self.post_message(DaemonLost(str(exc), getattr(exc, "hint", "")))
             return
+        except (ValueError, KeyError, TypeError) as exc:  # something else answers on that port
+            self._log_offset = None
+            self.post_message(DaemonLost(f"{self.client.base_url} did not answer like an exl3local daemon: {exc!r}"))
+            return
         self.post_message(StatusUpdated(status))
         if status.state == EngineState.READY:
             await self._poll_metrics()
@@ -145,8 +149,8 @@ class Dashboard(App[None]):
             else:
                 chunk = await self.client.logs(offset=self._log_offset)
                 reset = chunk.rotated
-        except (Exl3Error, httpx.HTTPError):
-            return
+        except (Exl3Error, httpx.HTTPError, ValueError, TypeError):
+            return  # no log this round; the panel keeps what it has
         self._log_offset = chunk.offset
         if chunk.text or reset:
             self.post_message(LogsAppended(chunk.text, reset))

@@ -140,6 +140,17 @@ async def test_no_daemon_at_start_says_so(wait_until, no_daemon_url):
         assert app.sub_title == "daemon not reachable"
 
 
+async def test_something_else_on_the_port_is_reported_not_fatal(wait_until, stub_daemon):
+    stub_daemon.status = ["not", "a", "status"]  # JSON, but not the status object
+    app = make_dashboard(stub_daemon.url, poll_s=0.1)
+    async with app.run_test(size=SIZE) as pilot:
+        engine = app.query_one(EnginePanel)
+        await wait_until(pilot, lambda: engine.lost is not None)
+        assert "did not answer like an exl3local daemon" in rendered(engine)
+        stub_daemon.set_status("status_ready.json")
+        await wait_until(pilot, lambda: engine.lost is None and engine.status is not None)
+
+
 async def test_daemon_without_kernel_counters_says_so(wait_until, stub_daemon):
     stub_daemon.kernels = None
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
