@@ -23,7 +23,7 @@ from exl3local.kernels import KernelSpec, prepare, reference
 from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER
 from exl3local.kernels.triton_decode import decode_dense
 from exl3local.kernels.triton_gemm import gemm, reconstruct_gemm
-from exl3local.kernels.triton_gemv import gemv, matmul_partials
+from exl3local.kernels.triton_gemv import choose_splits, gemv, matmul_partials, ring_config, ring_partials
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
 from exl3local.kernels.triton_moe import moe_decode
 
@@ -126,19 +126,6 @@ def bench_copy_bandwidth() -> float:
     return gbps
 
 
-def bench_decode_rate() -> float:
-    """Weights/s of the GEMV decode when the trellis sits in L2 (ALU-bound): the ALU roofline's rate."""
-    trellis, suh, svh = make_layer(2048, 2048, 4, "mul1")
-    u = torch.randn(1, 2048, device=DEVICE[0]).half()
-    import triton.testing
-
-    us = 1e3 * triton.testing.do_bench(lambda: matmul_partials(u, trellis, 4, "mul1", 1, 64, 64), warmup=10, rep=60,
-                                       return_mode="median")
-    rate = 2048 * 2048 / us * 1e6
-    log(f"decode rate (mul1 K=4, 2048x2048 in L2, M=1 matmul only): {rate / 1e9:.0f} Gweights/s ({us:.1f} µs)")
-    return rate
-
-
 def check_correctness(exl3: Exl3) -> None:
     log("\n== correctness at full shapes ==")
     cases = [((4096, 4096), 4, "mul1"), ((5120, 17408), 2, "3inst"), ((17408, 5120), 3, "mcg"),
@@ -198,37 +185,37 @@ def bench_decode(exl3: Exl3, shapes, bits_list, codebooks, rows_list, copy_gbps,
 
 
 def bench_breakdown(shapes) -> None:
-    """Where decode time goes: input transform, matmul kernel, output transform, and config variants."""
+    """Where decode time goes: input transform, matmul kernel, output transform; ring-kernel config variants
+    (tiles per program x split-K x warps) and the tiled dot kernel at 16 rows."""
     log("\n== GEMV breakdown and configs (mul1 K=4) ==")
-    configs_1 = [(1, 64, 64, 4), (1, 64, 32, 4), (1, 128, 32, 4), (1, 32, 128, 4), (1, 64, 64, 8), (1, 128, 64, 8),
-                 (16, 64, 32, 4)]
-    configs_16 = [(16, 64, 32, 4), (16, 64, 64, 4), (16, 128, 32, 4), (16, 32, 64, 4), (16, 128, 64, 8),
-                  (16, 64, 64, 8)]
     for k, n in shapes:
         trellis, suh, svh = make_layer(k, n, 4, "mul1", seed=4)
-        for m, configs in ((1, configs_1), (16, configs_16)):
+        for m in (1, 4, 16):
+            if late():
+                return
             x = torch.randn(m, k, device=DEVICE[0]).half()
             u = input_transform(x, suh)
-            z = matmul_partials(u, trellis, 4, "mul1", *(configs[0][:3]))
+            bm, bnt0 = ring_config(m, 4)
+            z = ring_partials(u, trellis, 4, "mul1", bm, bnt0)
             parts = dict(input_us=timed(lambda: input_transform(x, suh)),
                          output_us=timed(lambda: output_transform(z, svh, None, x.dtype)))
             variants = {}
-            for bm, bn, bk, warps in configs:
-                for split_mult in (0.5, 1, 2):
-                    from exl3local.kernels.triton_gemv import choose_splits
-
-                    base = choose_splits(triton_cdiv(m, bm) * (n // bn), k // bk, x.device)
-                    splits = max(1, int(base * split_mult))
-                    if (k // bk) % splits:
+            for bnt in sorted({max(1, bnt0 // 2), bnt0, bnt0 * 2}):
+                base = choose_splits(triton_cdiv(m, bm) * triton_cdiv(n // 16, bnt), k // 16, x.device)
+                for splits in sorted({max(1, base // 2), base, base * 2}):
+                    if (k // 16) % splits:
                         continue
-                    key = f"bm{bm}_bn{bn}_bk{bk}_w{warps}_s{splits}"
-                    variants[key] = timed(lambda: matmul_partials(u, trellis, 4, "mul1", bm, bn, bk, splits,
-                                                                  num_warps=warps))
+                    for warps in (4, 8):
+                        key = f"ring_bm{bm}_bnt{bnt}_s{splits}_w{warps}"
+                        variants[key] = timed(lambda: ring_partials(u, trellis, 4, "mul1", bm, bnt, splits,
+                                                                    num_warps=warps))
+            if m == 16:
+                variants["tiled_bm16_bn32_bk64"] = timed(lambda: matmul_partials(u, trellis, 4, "mul1", 16, 32, 64))
             best = min(variants, key=variants.get)
             row = dict(kind="breakdown", k=k, n=n, m=m, **parts, variants=variants, best=best)
             RESULTS.append(row)
             log(f"{k}x{n} M={m}: input {parts['input_us']:.1f} µs, output {parts['output_us']:.1f} µs, "
-                f"best matmul {best} {variants[best]:.1f} µs; all: "
+                f"best matmul {best} {variants[best]:.1f} µs ({k * n / variants[best] / 1e3:.0f} Gweights/s); all: "
                 + ", ".join(f"{key} {us:.1f}" for key, us in sorted(variants.items(), key=lambda kv: kv[1])))
 
 
@@ -238,8 +225,8 @@ def triton_cdiv(a, b):
 
 def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
     log("\n== prefill / crossover ==")
-    log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>5} | {'gemv16':>8} {'gemm':>8} {'recon':>8} {'exl3':>8} "
-        f"{'torch':>8} | {'best':>8} {'vs_exl3':>7} {'vs_torch':>8}")
+    log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>5} | {'gemv':>8} {'tiled':>8} {'fused':>8} "
+        f"{'exl3':>8} {'torch':>8} | {'best':>8} {'vs_exl3':>7} {'vs_torch':>8}")
     for k, n in shapes:
         w16 = torch.randn(k, n, device=DEVICE[0]).half()
         for cb in codebooks:
@@ -251,25 +238,23 @@ def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
                         return
                     x = torch.randn(m, k, device=DEVICE[0]).half()
                     row = dict(kind="prefill", k=k, n=n, codebook=cb, bits=bits, m=m,
-                               recon_us=timed(lambda: reconstruct_gemm(x, trellis, suh, svh, bits, cb)),
+                               fused_us=timed(lambda: reconstruct_gemm(x, trellis, suh, svh, bits, cb)),
                                torch_us=timed(lambda: x @ w16))
-                    for config in ((64, 64, 32), (128, 128, 32), (128, 64, 64)):
-                        if m >= config[0] // 2:
-                            row[f"gemm_{config[0]}_{config[1]}_{config[2]}_us"] = timed(
-                                lambda: gemm(x, trellis, suh, svh, bits, cb, config=config))
-                    if m <= 256:
-                        row["gemv16_us"] = timed(lambda: gemv(x, trellis, suh, svh, bits, cb, config=(16, 64, 32)))
+                    if m <= 64:
+                        row["tiled_us"] = timed(lambda: gemm(x, trellis, suh, svh, bits, cb, config=(64, 64, 32)))
+                    if m <= 32:
+                        row["gemv_us"] = timed(lambda: gemv(x, trellis, suh, svh, bits, cb))
                     if lin is not None:
                         row["exl3_us"] = timed(lambda: lin.forward(x, {}))
                     ours = {key: v for key, v in row.items() if key.endswith("_us") and key not in ("torch_us", "exl3_us")}
                     best = min(ours, key=ours.get)
                     row["best"] = best
                     RESULTS.append(row)
-                    gemm_best = min((v for key, v in row.items() if key.startswith("gemm_")), default=float("nan"))
                     e = row.get("exl3_us", float("nan"))
-                    log(f"{k:>5}x{n:<6} {cb:>5} {bits:>3} {m:>5} | {row.get('gemv16_us', float('nan')):8.1f} "
-                        f"{gemm_best:8.1f} {row['recon_us']:8.1f} {e:8.1f} {row['torch_us']:8.1f} | "
-                        f"{best[:-3]:>8} {e / ours[best]:7.2f} {row['torch_us'] / ours[best]:8.2f}")
+                    nan = float("nan")
+                    log(f"{k:>5}x{n:<6} {cb:>5} {bits:>3} {m:>5} | {row.get('gemv_us', nan):8.1f} "
+                        f"{row.get('tiled_us', nan):8.1f} {row['fused_us']:8.1f} {e:8.1f} "
+                        f"{row['torch_us']:8.1f} | {best[:-3]:>8} {e / ours[best]:7.2f} {row['torch_us'] / ours[best]:8.2f}")
         del w16
 
 
@@ -382,8 +367,7 @@ def main() -> int:
         return True
 
     copy_gbps = bench_copy_bandwidth() if DEVICE[0] == "cuda" else 1.0
-    rate = bench_decode_rate() if DEVICE[0] == "cuda" else 1.0
-    RESULTS.append(dict(kind="machine", device=name, copy_gbps=copy_gbps, decode_rate_wps=rate, exl3=exl3.error or "ok"))
+    RESULTS.append(dict(kind="machine", device=name, copy_gbps=copy_gbps, exl3=exl3.error or "ok"))
     shapes = SHAPES_27B[:1] if args.quick else SHAPES_27B
     try:
         if due("correct"):

@@ -135,8 +135,9 @@ class TorchReferenceKernel(Exl3Kernel):
 
 # Row-count crossovers of TritonLinearKernel. Measured on the H200 by bench/kernels.py (docs/PERF.md);
 # unmeasured on Arc, where the same constants are a first guess.
-GEMV_MAX_ROWS = 16  # decode-in-registers kernel with one 16-row dot tile (or broadcast FMAs at 1 row)
-RECONSTRUCT_MIN_ROWS = 256  # from here a dense fp16 W + vendor matmul beats on-chip decode per row tile
+GEMV_MAX_ROWS = 16  # decode-in-registers kernels (triton_gemv.gemv: ring kernel <= 4 rows, tiled dot above)
+RECONSTRUCT_MIN_ROWS = 17  # the tiled on-chip-decode GEMM lost to reconstruct + vendor matmul at every
+# M >= 16 measured (5120x17408: 1698-1718 vs 447-451 µs at M=16..64), so from 17 rows the dense path serves
 
 
 class TritonLinearKernel(Exl3Kernel):

@@ -48,9 +48,11 @@ def decode_state(s, CODEBOOK: tl.constexpr):
         x = s * 0x83DCD12D
         t = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)  # two 16-bit lanes of pairwise byte sums
         bsum = (t + (t >> 16)) & 0x3FF
-        # 2^23 + bsum as an fp32 bit pattern: an exact int -> float without a conversion instruction.
-        f = (bsum | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        w = (f * 0.0067672729492187500 + -3.453125).to(tl.float16)  # 887/131072, 1024*k_inv + k_bias
+        # 2^23 + bsum as fp32 bits (an int -> float without a conversion instruction); one fma with
+        # k_inv = 887/2^17 and (1024·k_inv + k_bias) - 2^23·k_inv = -56771.453125 rounds once, and the
+        # exact result is an fp32 number, so w = fp32((1024 + bsum)·k_inv + k_bias) exactly.
+        f = (bsum | 0x4B000000).to(tl.float32, bitcast=True)
+        w = tl.fma(f, 0.0067672729492187500, -56771.453125).to(tl.float16)
     else:  # 3inst / mcg: LCG step, LOP3, sum of the two fp16 halves (exact in fp32)
         if CODEBOOK == 0:
             x = s * 0x05517C72 + 0x03D45AA4

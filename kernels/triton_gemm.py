@@ -6,7 +6,9 @@ once per row tile and fed to tl.dot; decode work therefore grows with rows / BM.
 RECONSTRUCT_GEMM (`reconstruct_gemm`): one kernel decodes Ŵ and applies both Hadamards and both scales,
 writing W in the original basis (fp16, k×n); then a vendor fp16 matmul runs on the raw x. No activation
 transforms, and the decode runs once per call whatever the row count: this wins once rows amortise the
-k·n·2-byte write and read.
+k·n·2-byte write and read. (A variant that decoded Ŵ densely in ring order and ran the matmul in the
+rotated basis was 2.7x slower at M=2048, PERF.md v2; not profiled, its scattered 2-byte stores are
+the suspect.)
 
 Layouts: trellis int16 (k/16, n/16, 16*bits) as stored (read as int32 words); W fp16 (k, n) row-major;
 x (rows, k); y (rows, n) in x's dtype.

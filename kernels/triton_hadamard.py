@@ -1,7 +1,8 @@
 """The activation-side transforms of an EXL3 linear (Triton), spec §5:
 
     input:   u = fp16( H128(x ⊙ suh) )          x (rows, k) any float dtype -> u (rows, k) fp16
-    output:  y = H128(Σ_s z_s) ⊙ svh (+ bias)   z (splits, rows, n) fp32 split-K partials -> y (rows, n)
+    output:  y = H128(Σ_s z_s) ⊙ svh (+ bias)   z (splits, rows, n) split-K partials (fp32, or fp16 from a
+                                                 vendor matmul) -> y (rows, n)
 
 H128 runs in fp32 as the Kronecker product H16 ⊗ H8 (index i = 8·i1 + i0, so (-1)^popcount(i&j) factors):
 24 adds per element instead of 128, with ±1 entries and the 1/√128 scale applied once at the end.
@@ -67,9 +68,9 @@ def _output_kernel(z_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, M, size_n, splits, 
     rn = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = (rm < M)[:, None]
     offs = rm.to(tl.int64)[:, None] * size_n + rn[None, :]
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0)
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for s in range(1, splits):
-        z += tl.load(z_ptr + s * stride_zs + offs, mask=mask, other=0.0)
+        z += tl.load(z_ptr + s * stride_zs + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_IDS:
         e = tl.load(ids_ptr + rm, mask=rm < M, other=0).to(tl.int64)
         vec = e[:, None] * size_n + rn[None, :]
@@ -99,7 +100,7 @@ def input_transform(x: torch.Tensor, suh: torch.Tensor, ids: torch.Tensor | None
 
 def output_transform(z: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                      ids: torch.Tensor | None = None) -> torch.Tensor:
-    """y = H128(Σ_s z[s]) ⊙ svh (+ bias) in `dtype`; z is (splits, rows, n) fp32, contiguous."""
+    """y = H128(Σ_s z[s]) ⊙ svh (+ bias) in `dtype`; z is (splits, rows, n), contiguous."""
     splits, rows, size_n = z.shape
     y = torch.empty(rows, size_n, dtype=dtype, device=z.device)
     grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), size_n // 128)

@@ -9,7 +9,7 @@ Layouts (the plugin stacks the per-expert checkpoint tensors once at load):
     y        (T, top_k, n) in x's dtype         routing weights and the sum over j are the caller's
 
 Three launches per projection: the per-unit input transform (each unit has its expert's suh), the decode
-matmul (triton_gemv.exl3_matmul_kernel with one unit per program, split-K for parallelism), and the
+matmul (triton_gemv.exl3_gemv_ring_kernel with one unit per program, split-K for parallelism), and the
 per-unit output transform that also reduces the split-K partials.
 """
 
@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from exl3local.kernels.triton_gemv import matmul_partials
+from exl3local.kernels.triton_gemv import ring_config, ring_partials
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
 
-MOE_CONFIG = (1, 64, 64)  # (BM, BN, BK): BM is one unit per program by construction
 
 
 def moe_decode(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float,
@@ -38,7 +37,7 @@ def moe_decode(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: t
         raise ValueError("MoE tensors must be stacked per expert: trellis (E, k/16, n/16, w), suh (E, k), svh (E, n)")
     flat_ids = ids.reshape(-1).contiguous()
     u = input_transform(x.contiguous(), suh, flat_ids, x_div, rows=units)
-    _, block_n, block_k = MOE_CONFIG
-    z = matmul_partials(u, trellis, bits, codebook, 1, block_n, block_k, ids=flat_ids)
+    _, block_nt = ring_config(1, bits)  # one unit per program: each unit has its own expert
+    z = ring_partials(u, trellis, bits, codebook, 1, block_nt, ids=flat_ids)
     y = output_transform(z, svh, bias, x.dtype, flat_ids)
     return y.view(tokens, top_k, -1)

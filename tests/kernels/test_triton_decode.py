@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from exl3local.kernels import reference
 from exl3local.kernels.triton_decode import decode_dense
 from exl3local.kernels.triton_gemm import reconstruct
-from exl3local.kernels.triton_gemv import matmul_partials
+from exl3local.kernels.triton_gemv import matmul_partials, ring_partials
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -50,15 +50,14 @@ def test_dense_decode_matches_exllamav3_on_every_fixture(fixture_cases):
         assert _same_bits(decoded, t["w_inner"]) == 0, case["case"]
 
 
-@pytest.mark.parametrize("block_m", [1, 16])
 @pytest.mark.parametrize("codebook,bits", [("3inst", 3), ("mcg", 5), ("mul1", 4), ("mul1", 2.5), ("mul1", 8)])
-def test_gemv_kernel_decodes_bit_exactly_in_registers(make_layer, kernel_device, codebook, bits, block_m):
+def test_tiled_kernel_decodes_bit_exactly_in_registers(make_layer, kernel_device, codebook, bits):
     # One-hot rows pick single rows of Ŵ: each output is one product w*1 in fp32, so z == Ŵ exactly.
     # Rows 17i mod 128 hit every in-tile row once, across all eight tile rows.
     trellis, _, _ = make_layer(128, 128, bits, codebook, seed=3)
     picked = (torch.arange(16) * 17) % 128
     one_hot = torch.eye(128, dtype=torch.float16, device=kernel_device)[picked.to(kernel_device)]
-    z = matmul_partials(one_hot, trellis, bits, codebook, block_m, 64, 32, splits=2).sum(0)
+    z = matmul_partials(one_hot, trellis, bits, codebook, 16, 64, 32, splits=2).sum(0)
     expected = reference.decode_trellis(trellis, bits, codebook)[picked.to(kernel_device)]
     assert _same_bits(z.half(), expected) == 0
 
@@ -69,3 +68,18 @@ def test_reconstruct_is_within_exllamav3_spread(fixture_cases):
         tolerance = 2e-3 * t["w_recon"].float().abs().max().item()
         err = (w.float() - t["w_recon"].float()).abs().max().item()
         assert err <= tolerance, f"{case['case']}: max |W - w_recon| = {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "codebook,bits",
+    # every super-lane width (G = 1, 2, 4, 8) and every codebook; the dense decode covers all 27 combinations
+    [("mul1", 4), ("mul1", 2), ("mul1", 3), ("mul1", 2.5), ("mul1", 1.5), ("3inst", 7), ("mcg", 6), ("mcg", 8)],
+)
+def test_ring_kernel_decodes_bit_exactly(make_layer, kernel_device, codebook, bits):
+    # The ring GEMV fed one-hot rows: z = the picked rows of Ŵ, exactly.
+    trellis, _, _ = make_layer(32, 128, bits, codebook, seed=int(bits * 10) + 1)
+    expected = reference.decode_trellis(trellis, bits, codebook)
+    picked = torch.tensor([3, 30], device=kernel_device)
+    one_hot = torch.eye(32, dtype=torch.float16, device=kernel_device)[picked]
+    z = ring_partials(one_hot, trellis, bits, codebook, 2, 8, splits=2).sum(0)
+    assert _same_bits(z.half(), expected[picked]) == 0
