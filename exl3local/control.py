@@ -323,9 +323,9 @@ def _add_logs(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from exl3local import daemon, env, hardware, paths, profiles
+    from exl3local import env, hardware, paths, profiles
 
-    settings = daemon.read_profile_settings()
+    settings = profiles.read_settings()
     changed = False
     if args.unpin:
         settings, changed = {"pinned": None, "set": {}}, True
@@ -343,7 +343,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         changed = True
     if changed:
         paths.pinned_profile().write_text(json.dumps(settings, indent=1) + "\n")
-    active, why = daemon.select_profile(None, {}, gpu, hardware.dmi_product(sysfs))
+    active, why = profiles.select(None, {}, gpu, hardware.dmi_product(sysfs))
     if args.json:
         print(json.dumps({"detected": detected.id, "detected_reason": detected_why, "active": active.id,
                           "reason": why, "pinned": settings["pinned"], "set": settings["set"],
@@ -425,7 +425,7 @@ def _check_engine(python: str) -> tuple[bool, str]:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from exl3local import api, budget, daemon, env, hardware, manifest, paths
+    from exl3local import api, budget, daemon, env, hardware, manifest, paths, profiles
     from exl3local.errors import DaemonUnavailable, Exl3Error
 
     results: list[tuple[bool | None, str, str]] = []
@@ -453,7 +453,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if not args.quick:
         check("engine", *_check_engine(python))
     try:
-        prof, why = daemon.select_profile(None, {}, gpu, hardware.dmi_product(sysfs))
+        prof, why = profiles.select(None, {}, gpu, hardware.dmi_product(sysfs))
         check("profile", True, f"{prof.id}: {why}")
         model_dir, label = daemon.resolve_model(args.model, False, prof)
         man = manifest.read(model_dir)

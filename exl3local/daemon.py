@@ -177,43 +177,6 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def read_profile_settings() -> dict[str, Any]:
-    """`exl3local profile NAME` / `--set` persisted: {"pinned": str|None, "set": {...}}."""
-    try:
-        data = json.loads(paths.pinned_profile().read_text())
-    except FileNotFoundError:
-        return {"pinned": None, "set": {}}
-    except (OSError, ValueError) as exc:
-        raise errors.ConfigError(f"{paths.pinned_profile()}: unreadable ({exc})",
-                                 hint="fix it or run `exl3local profile --unpin`") from None
-    pinned, sets = (data.get("pinned"), data.get("set") or {}) if isinstance(data, dict) else (None, None)
-    if not (isinstance(pinned, str | None) and isinstance(sets, dict) and all(isinstance(v, str) for v in sets.values())):
-        raise errors.ConfigError(f"{paths.pinned_profile()}: expected {{\"pinned\": NAME or null, \"set\": {{KEY: VALUE}}}}",
-                                 hint="fix it or run `exl3local profile --unpin`")
-    return {"pinned": pinned, "set": dict(sets)}
-
-
-def select_profile(requested: str | None, overrides: Mapping[str, str], gpu: hardware.GpuInfo,
-                   dmi: str) -> tuple[Any, str]:
-    """--profile > pinned > detected; persisted --set, then this call's --set."""
-    from exl3local import profiles
-
-    settings = read_profile_settings()
-    if requested:
-        prof, why = profiles.load(requested), f"--profile {requested}"
-    elif settings["pinned"]:
-        prof, why = profiles.load(settings["pinned"]), f"pinned with `exl3local profile {settings['pinned']}`"
-    else:
-        prof, why = profiles.detect(gpu, dmi)
-    merged = {**settings["set"], **overrides}
-    if merged:
-        prof = profiles.with_overrides(prof, merged)
-        why += "; overrides " + ", ".join(f"{k}={v}" for k, v in sorted(merged.items()))
-    if prof.backend != gpu.backend:
-        why += f" (the profile is for {prof.backend}; this machine serves on {gpu.backend}: {gpu.name})"
-    return prof, why
-
-
 def resolve_model(model: str | None, demo: bool, profile: Any) -> tuple[Path, str]:
     """A local checkpoint dir for the request: the bundled demo, a path, or a pulled hub repo."""
     from exl3local import pull
@@ -236,11 +199,11 @@ def resolve_model(model: str | None, demo: bool, profile: Any) -> tuple[Path, st
 
 def plan(req: UpRequest, *, sysfs_root: Path, mem: Any = None, python: str | None = None,
          check_port: Callable[[str, int], bool] = port_free) -> Plan:
-    from exl3local import budget, manifest
+    from exl3local import budget, manifest, profiles
 
     gpus = hardware.probe(sysfs_root)
     gpu, gpu_why = hardware.choose(gpus)
-    prof, why = select_profile(req.profile, req.overrides, gpu, hardware.dmi_product(sysfs_root))
+    prof, why = profiles.select(req.profile, req.overrides, gpu, hardware.dmi_product(sysfs_root))
     model_dir, label = resolve_model(req.model, req.demo, prof)
     try:
         man = manifest.read(model_dir)

@@ -347,11 +347,11 @@ def _missing_bytes(repo_id: str, files: tuple[RemoteFile, ...]) -> int:
 
 def _machine(profile_id: str | None = None, overrides: Mapping[str, str] | None = None) -> tuple[Any, Any]:
     """(GpuInfo, Profile) as `up` would choose them here now: --profile, else pinned, else detected."""
-    from exl3local import daemon, env, hardware
+    from exl3local import env, hardware, profiles
 
     sysfs = Path(env.SYSFS.get())  # the daemon probes the same tree
     gpu, _ = hardware.choose(hardware.probe(sysfs))
-    profile, _ = daemon.select_profile(profile_id, overrides or {}, gpu, hardware.dmi_product(sysfs))
+    profile, _ = profiles.select(profile_id, overrides or {}, gpu, hardware.dmi_product(sysfs))
     return gpu, profile
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from exl3local import paths
 from exl3local.errors import ConfigError
 
 BUNDLED = Path(__file__).resolve().parent
@@ -304,3 +305,37 @@ def detect(gpu: Any, dmi: str = "", dirs: Iterable[Path] | None = None) -> tuple
     what = f"{gpu.name} ({gpu.pci_id})" if gpu.pci_id else gpu.name
     extra = f" on \"{dmi}\"" if "dmi_product" in best.match else ""
     return best, f"detected {what}{extra} → {best.id}: {best.description}"
+
+
+def read_settings() -> dict[str, Any]:
+    """`exl3local profile NAME` / `--set` persisted: {"pinned": str|None, "set": {...}}."""
+    try:
+        data = json.loads(paths.pinned_profile().read_text())
+    except FileNotFoundError:
+        return {"pinned": None, "set": {}}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{paths.pinned_profile()}: unreadable ({exc})",
+                          hint="fix it or run `exl3local profile --unpin`") from None
+    pinned, sets = (data.get("pinned"), data.get("set") or {}) if isinstance(data, dict) else (None, None)
+    if not (isinstance(pinned, str | None) and isinstance(sets, dict) and all(isinstance(v, str) for v in sets.values())):
+        raise ConfigError(f"{paths.pinned_profile()}: expected {{\"pinned\": NAME or null, \"set\": {{KEY: VALUE}}}}",
+                          hint="fix it or run `exl3local profile --unpin`")
+    return {"pinned": pinned, "set": dict(sets)}
+
+
+def select(requested: str | None, overrides: Mapping[str, str], gpu: Any, dmi: str) -> tuple[Any, str]:
+    """--profile > pinned > detected; persisted --set, then this call's --set."""
+    settings = read_settings()
+    if requested:
+        prof, why = load(requested), f"--profile {requested}"
+    elif settings["pinned"]:
+        prof, why = load(settings["pinned"]), f"pinned with `exl3local profile {settings['pinned']}`"
+    else:
+        prof, why = detect(gpu, dmi)
+    merged = {**settings["set"], **overrides}
+    if merged:
+        prof = with_overrides(prof, merged)
+        why += "; overrides " + ", ".join(f"{k}={v}" for k, v in sorted(merged.items()))
+    if prof.backend != gpu.backend:
+        why += f" (the profile is for {prof.backend}; this machine serves on {gpu.backend}: {gpu.name})"
+    return prof, why

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from exl3local import daemon, hardware
+from exl3local import daemon, hardware, profiles
 from exl3local.errors import ConfigError
 from exl3local.supervisor import EngineState
 
@@ -77,10 +77,10 @@ def test_pinned_profile_wins_over_detection_and_mismatch_is_said(xdg):
     from exl3local import paths
 
     paths.pinned_profile().write_text('{"pinned": "b70", "set": {"vllm.max_num_seqs": "2"}}')
-    prof, why = daemon.select_profile(None, {}, hardware.cpu_device(8 * 2**30), "")
+    prof, why = profiles.select(None, {}, hardware.cpu_device(8 * 2**30), "")
     assert prof.id == "b70" and prof.vllm["max_num_seqs"] == 2
     assert "pinned" in why and "this machine serves on cpu" in why
-    prof, why = daemon.select_profile("cpu", {"vllm.max_num_seqs": "3"}, hardware.cpu_device(8 * 2**30), "")
+    prof, why = profiles.select("cpu", {"vllm.max_num_seqs": "3"}, hardware.cpu_device(8 * 2**30), "")
     assert prof.id == "cpu" and prof.vllm["max_num_seqs"] == 3 and why.startswith("--profile cpu")
 
 
@@ -89,10 +89,10 @@ def test_broken_settings_and_env_numbers_are_config_errors(xdg, monkeypatch):
 
     paths.pinned_profile().write_text('{"pinned": 7}')
     with pytest.raises(ConfigError, match="profile --unpin|expected"):
-        daemon.read_profile_settings()
+        profiles.read_settings()
     paths.pinned_profile().write_text("not json")
     with pytest.raises(ConfigError, match="unreadable"):
-        daemon.read_profile_settings()
+        profiles.read_settings()
     monkeypatch.setenv("EXL3LOCAL_ENGINE_PORT", "http")
     with pytest.raises(ConfigError, match="EXL3LOCAL_ENGINE_PORT"):
         daemon.engine_port()
