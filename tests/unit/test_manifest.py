@@ -243,3 +243,11 @@ def test_inspect_refuses_a_corrupt_checkpoint_in_one_line(copy_model):
     assert out.returncode == CheckpointError.exit_code
     assert "Traceback" not in out.stderr
     assert out.stderr.startswith("exl3local: error: model.safetensors: model.layers.0.self_attn.q_proj.mul1")
+
+
+def test_cli_stops_quietly_when_its_reader_goes_away(tiny_models):
+    exe = Path(sys.executable).parent / "exl3local"
+    pipeline = f"'{exe}' inspect --json '{tiny_models[MOE]}' | head -c 10"
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", pipeline], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.stdout == '{\n  "path"'
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
