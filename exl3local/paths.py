@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import platformdirs
@@ -67,3 +68,20 @@ def daemon_log() -> Path:
 
 def pinned_profile() -> Path:
     return config_dir() / "profile"
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Replace `path` with `text` so readers see the old file or the new one, never a half-written
+    one (records, refs, unit files): a synced temp file beside it, then one rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from exl3local import paths
 from exl3local.errors import CheckpointError, ConfigError, Exl3Error
 
 if TYPE_CHECKING:
@@ -152,20 +153,6 @@ def find(ref: ModelRef) -> PulledModel | None:
         if m.repo_id == ref.repo_id and ref.revision in (m.revision, m.commit)
     ]  # fmt: skip
     return max(matches, key=lambda m: m.pulled_at, default=None)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _record(model: PulledModel) -> Path:
@@ -542,7 +529,7 @@ def fetch(plan: Plan, *, progress: bool = True) -> PulledModel:
         manifest_mod.read(snapshot)  # the real headers and codebook markers, before the record exists
         if ref.revision != plan.commit:
             # Documented cache layout: refs/<branch> holds the commit; `hf cache` shows it and won't prune it.
-            _write_atomic(folder / "refs" / ref.revision, plan.commit)
+            paths.write_atomic(folder / "refs" / ref.revision, plan.commit)
         q = plan.manifest.quantization_config
         model = PulledModel(
             repo_id=ref.repo_id,
@@ -555,7 +542,7 @@ def fetch(plan: Plan, *, progress: bool = True) -> PulledModel:
             architecture=plan.manifest.architecture,
             pulled_at=time.time(),
         )
-        _write_atomic(_record(model), json.dumps(asdict(model), indent=1))
+        paths.write_atomic(_record(model), json.dumps(asdict(model), indent=1))
     shutil.rmtree(folder / STAGING_DIR, ignore_errors=True)
     return model
 

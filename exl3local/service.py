@@ -19,13 +19,13 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from exl3local import paths
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
 
 UNIT = "exl3local.service"
@@ -178,19 +178,6 @@ def _manager_reachable(systemctl: Systemctl) -> tuple[bool, str]:
 # install / uninstall / status
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def install(layout: Layout, *, python: str, state_dir: Path, env: Mapping[str, str], autoload: bool = False,
             tray: bool = False, force: bool = False, now: bool = False,
             systemctl: Systemctl = run_systemctl) -> list[str]:  # fmt: skip
@@ -207,7 +194,7 @@ def install(layout: Layout, *, python: str, state_dir: Path, env: Mapping[str, s
         if path.exists() and path.read_text() == text:
             report.append(f"unchanged  {path}")
         else:
-            _write_atomic(path, text)
+            paths.write_atomic(path, text)
             report.append(f"wrote      {path}")
     # What `systemctl --user enable` does; done here so it also works without a running user manager.
     link_target = Path("..") / UNIT
@@ -308,7 +295,6 @@ def autoload(wait_s: float = AUTOLOAD_WAIT_S) -> int:
 
 
 def _context() -> dict:
-    from exl3local import paths
 
     return {"python": sys.executable, "state_dir": paths.state_dir(), "env": carried_env()}
 
