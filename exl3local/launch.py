@@ -122,6 +122,8 @@ def build(
         "--served-model-name", name,
         "--quantization", PLUGIN_NAME,
         "--max-model-len", str(budget.max_model_len),
+        # the daemon probes /health and scrapes /metrics every second: keep them out of engine.log
+        "--disable-access-log-for-endpoints", "/health,/metrics",
     ]  # fmt: skip
     argv += vllm_args(profile, budget)
     if not has_chat_template(model_dir):

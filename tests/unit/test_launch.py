@@ -22,6 +22,7 @@ def test_cpu_spec_runs_our_launcher_on_loopback_with_a_pinned_kv(tiny_models, tm
     assert argv[:5] == [sys.executable, "-P", "-m", "exl3local.launch", "serve"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "18123"
     assert argv[argv.index("--quantization") + 1] == "exl3"
+    assert argv[argv.index("--disable-access-log-for-endpoints") + 1] == "/health,/metrics"
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(bud.kv_budget_bytes)
     assert "--enforce-eager" in argv and "--gpu-memory-utilization" not in argv
     # the fixture ships no chat template: base models get the bundled fallback
