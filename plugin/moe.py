@@ -22,11 +22,16 @@ of four paths by token count at a single selection point (`select_path`):
     4 < T <= 128    MOE_GROUPED   tokens binned per expert, one grouped GEMM per expert
     T > 128         MOE_BATCHED   binned on the device (one host sync), dense per-expert matmuls
 
+Decode and verify run as one grouped Triton launch set (kernels/triton_moe.py) where the dispatch chose
+Triton for every projection at load (CUDA/XPU, or forced); otherwise, and for the other two paths, per
+expert through the chosen per-projection kernels. The refusal reason is in the trace flags.
+
 There is no unquantized fallback: a path that cannot serve a call raises with the reason.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +57,10 @@ GROUPED_MAX_TOKENS = 128
 PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED, KernelPath.MOE_BATCHED)
 # vLLM's shard ids for the three projections: gate and up share the w13 params, down is w2.
 SHARDS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
+# The grouped Triton kernel (kernels/triton_moe.py) serves the few-token paths; the rest stay per expert.
+TRITON_MOE_PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY)
+
+logger = logging.getLogger(__name__)
 
 
 def select_path(tokens: int) -> KernelPath:
@@ -75,6 +84,18 @@ def path_refusal(path: KernelPath, tokens: int) -> str | None:
         return f"{path} serves 1..{VERIFY_MAX_TOKENS} tokens as independent M=1 units, got {tokens}"
     if path not in PATHS:
         return f"{path} is not an MoE path"
+    return None
+
+
+def triton_moe_refusal(chosen: dict[str, kernels.Exl3Kernel], proj: dict[str, Projection]) -> str | None:
+    """Why the grouped Triton MoE kernel cannot serve this layer, or None. It serves only where the
+    dispatch chose Triton for every projection, and reads gate and up as one zero-copy stack
+    (2E, k/16, n/16, w) of the w13 arena, which needs equal bits for both."""
+    for name, kernel in chosen.items():
+        if kernel.backend != "triton":
+            return f"the dispatch chose {type(kernel).__name__} for {name}"
+    if proj["gate"].bits != proj["up"].bits:
+        return f"gate ({proj['gate'].bits:g} bits) and up ({proj['up'].bits:g} bits) differ: no stacked w13 view"
     return None
 
 
@@ -270,6 +291,12 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             spec = kernels.KernelSpec(p.size_k, p.size_n, p.bits, p.codebook, torch.float32)
             layer.exl3_kernels[name] = kernels.prepare(spec, device)
             trace.note_layer(f"{type(layer.exl3_kernels[name]).__name__} moe")
+        layer.exl3_moe_refusal = triton_moe_refusal(layer.exl3_kernels, layer.exl3_proj)
+        if layer.exl3_moe_refusal is None:
+            trace.note_layer("triton_moe.moe_decode moe")
+        else:
+            trace.set_flag("moe_decode_refused", layer.exl3_moe_refusal)
+            logger.debug("exl3: %s: decode/verify on the per-expert path: %s", self.prefix, layer.exl3_moe_refusal)
 
     # -- views into the arenas
     @staticmethod
@@ -313,6 +340,27 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         h = F.silu(self.project(layer, "gate", e, x)) * self.project(layer, "up", e, x)
         return self.project(layer, "down", e, h)
 
+    def grouped_units(self, layer, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Decode/verify through triton_moe.moe_decode: every (token, expert) unit at once, ids read on the
+        device (no host sync). Returns (T, padded hidden) fp32, weights applied to down's outputs."""
+        from exl3local.kernels.triton_moe import moe_decode
+
+        gate, down = layer.exl3_proj["gate"], layer.exl3_proj["down"]
+        E = layer.w13_trellis.shape[0]
+        tokens, top_k = ids.shape
+        local = ids >= 0  # -1: another rank's expert, contributes nothing
+        ids = torch.where(local, ids, 0)
+        # Zero-copy views of the w13 arenas as 2E experts: row 2e is expert e's gate, 2e+1 its up.
+        w13 = layer.w13_trellis.view(2 * E, *gate.trellis_shape)
+        suh13 = layer.w13_suh.view(2 * E, gate.size_k)
+        svh13 = layer.w13_svh.view(2 * E, gate.size_n)
+        ids13 = torch.stack((2 * ids, 2 * ids + 1), -1).view(tokens, 2 * top_k)
+        gu = moe_decode(xf, w13, suh13, svh13, gate.bits, gate.codebook, ids13).view(tokens, top_k, 2, gate.size_n)
+        h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens * top_k, gate.size_n)
+        y = moe_decode(h, layer.w2_trellis, layer.w2_suh, layer.w2_svh, down.bits, down.codebook, ids)
+        y = y.float() * torch.where(local, weights, 0.0)[..., None]
+        return y.sum(1)
+
     # -- forward
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         tokens = x.shape[0]
@@ -336,7 +384,9 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         xf = F.pad(x.float(), (0, pad)) if pad else x.float()
         weights = topk_weights.float()
         out = torch.zeros(x.shape[0], layer.exl3_proj["down"].size_n, dtype=torch.float32, device=x.device)
-        if path in (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY):
+        if path in TRITON_MOE_PATHS and layer.exl3_moe_refusal is None:
+            out = self.grouped_units(layer, xf, weights, ids)
+        elif path in TRITON_MOE_PATHS:
             host_ids = ids.tolist()  # the layer's one host sync: the units to run
             for t, row in enumerate(host_ids):
                 for j, e in enumerate(row):

@@ -7,6 +7,8 @@ watched by an allocation tracker: no dense or fp16 expert weight may appear.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,9 +16,11 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from exl3local.kernels import KernelPath, reference
+from exl3local.kernels.hadamard import hadamard_rows
 
 MODEL = "tiny-qwen3moe-exl3-4.0bpw"
 TOP_K = 4
+DECODED: dict[str, torch.Tensor] = {}  # Ŵ per checkpoint tensor, for the fp16-u reference loop
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -66,12 +70,18 @@ def ckpt(tiny_models):
     return load_file(tiny_models[MODEL] / "model.safetensors")
 
 
-def reference_moe(ckpt, prefix: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Per token, per chosen expert: w * down(silu(gate(x)) * up(x)), accumulated in fp32."""
+def reference_moe(ckpt, prefix: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fp16_u: bool = False) -> torch.Tensor:
+    """Per token, per chosen expert: w * down(silu(gate(x)) * up(x)), accumulated in fp32. With fp16_u,
+    each projection rounds u = H(x ⊙ suh) to fp16 as the Triton kernels do (their one rounding point)."""
 
     def lin(v, name):
-        t = ckpt[f"{name}.trellis"]
-        return reference.linear(v, t, ckpt[f"{name}.suh"], ckpt[f"{name}.svh"], 4.0, "mul1")
+        t, suh, svh = ckpt[f"{name}.trellis"], ckpt[f"{name}.suh"], ckpt[f"{name}.svh"]
+        if not fp16_u:
+            return reference.linear(v, t, suh, svh, 4.0, "mul1")
+        if name not in DECODED:
+            DECODED[name] = reference.decode_trellis(t, 4.0, "mul1").float()
+        u = hadamard_rows(v * suh.float()).half().float()
+        return hadamard_rows(u @ DECODED[name]) * svh.float()
 
     out = torch.zeros(x.shape[0], x.shape[1])
     for t in range(x.shape[0]):
@@ -201,3 +211,59 @@ def test_loading_never_allocates_dense_expert_weights(loaded, experts, tiny_mode
         params = dict(layer.named_parameters(recurse=False))
         assert "w13_weight" not in params and "w2_weight" not in params
         assert all(not p.is_floating_point() or p.dtype == torch.float16 and p.dim() <= 3 and p.shape[-1] <= hidden for p in params.values())
+
+
+def test_decode_on_cpu_keeps_the_per_expert_path_and_says_why(experts):
+    from exl3local.plugin import trace
+
+    layer = experts[0]
+    assert layer.exl3_moe_refusal == "the dispatch chose TorchReferenceKernel for gate"
+    assert trace.counters().snapshot()["flags"]["moe_decode_refused"] == layer.exl3_moe_refusal
+
+
+def test_triton_moe_refuses_gate_and_up_of_different_bits(experts):
+    import dataclasses
+
+    from exl3local.kernels import KernelSpec, dispatch
+    from exl3local.plugin.moe import triton_moe_refusal
+
+    layer = experts[0]
+    triton = {n: dispatch.TritonLinearKernel(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo("cuda")) for n in ("gate", "up", "down")}
+    proj = dict(layer.exl3_proj)
+    assert triton_moe_refusal(triton, proj) is None
+    proj["up"] = dataclasses.replace(proj["up"], bits=3.0)
+    assert triton_moe_refusal(triton, proj) == "gate (4 bits) and up (3 bits) differ: no stacked w13 view"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_forced_triton_moe_kernel_matches_the_per_expert_reference_loop(experts, ckpt, monkeypatch, tokens):
+    from exl3local.plugin import trace
+    from exl3local.plugin.moe import select_path
+
+    layer = experts[1]
+    method = layer.quant_method
+    chosen = "triton_moe.moe_decode moe"
+    before = trace.counters().snapshot()["layers"].get(chosen, 0)
+    monkeypatch.setenv("EXL3LOCAL_DISABLED_KERNELS", "TorchReferenceKernel")
+    try:
+        method.process_weights_after_loading(layer)
+        assert layer.exl3_moe_refusal is None
+        assert trace.counters().snapshot()["layers"][chosen] == before + 1
+
+        def no_per_expert_loop(*args, **kwargs):
+            raise AssertionError("decode/verify went through the per-expert loop")
+
+        monkeypatch.setattr(method, "expert", no_per_expert_loop)
+        x, weights, ids = routing(tokens, seed=11)
+        got = method.run_path(layer, select_path(tokens), x, weights, ids)
+    finally:
+        monkeypatch.undo()
+        method.process_weights_after_loading(layer)
+    assert layer.exl3_moe_refusal is not None  # back on the reference for the other tests
+    # Against the same arithmetic (u rounded to fp16 where the kernel rounds it): fp32 noise only.
+    want = reference_moe(ckpt, layer.layer_name, x, weights, ids, fp16_u=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    if tokens == 1:  # against the fp32 loop (the existing paths match it bit-exactly): fp16 u costs ~1e-3
+        exact = reference_moe(ckpt, layer.layer_name, x, weights, ids)
+        assert (got - exact).norm() / exact.norm() < 2e-3
