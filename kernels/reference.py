@@ -43,11 +43,6 @@ def words_per_tile(bits: float) -> int:
     return int(round(16 * bits))
 
 
-def bits_from_width(width: int) -> float:
-    """K from a trellis' last dimension (the only place K is stored)."""
-    return width / 16 if width % 16 == 0 else (width - 8) / 16 + 0.5
-
-
 def _stream_end(bits: float) -> torch.Tensor:
     """S(p) for p = 0..255: the stream bit just past position p's code."""
     p1 = torch.arange(1, TILE_POSITIONS + 1, dtype=torch.int64)
