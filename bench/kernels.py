@@ -22,8 +22,8 @@ import torch
 from exl3local.kernels import KernelSpec, prepare, reference
 from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER
 from exl3local.kernels.triton_decode import decode_dense
-from exl3local.kernels.triton_gemm import gemm, reconstruct_gemm
-from exl3local.kernels.triton_gemv import choose_splits, gemv, matmul_partials, ring_config, ring_partials
+from exl3local.kernels.triton_gemm import gemm, reconstruct, reconstruct_gemm, right_reconstruct, right_reconstruct_gemm
+from exl3local.kernels.triton_gemv import choose_splits, gemv, ring_config, ring_dot_partials, ring_partials
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
 from exl3local.kernels.triton_moe import moe_decode
 
@@ -34,6 +34,7 @@ DECODE_ROWS = (1, 4, 16)
 PREFILL_ROWS = 2048
 CROSSOVER_ROWS = (16, 32, 64, 128, 256, 512, 1024)
 CROSSOVER_SHAPE = [(5120, 17408)]
+BREAKDOWN_SHAPES = [(5120, 17408), (5120, 5120)]
 MOE = dict(experts=256, hidden=2048, intermediate=512, top_k=8)
 
 RESULTS: list[dict] = []
@@ -184,39 +185,83 @@ def bench_decode(exl3: Exl3, shapes, bits_list, codebooks, rows_list, copy_gbps,
         del w16
 
 
-def bench_breakdown(shapes) -> None:
-    """Where decode time goes: input transform, matmul kernel, output transform; ring-kernel config variants
-    (tiles per program x split-K x warps) and the tiled dot kernel at 16 rows."""
-    log("\n== GEMV breakdown and configs (mul1 K=4) ==")
+def bench_breakdown(shapes, bits_list=(2, 3, 4, 6, 8)) -> None:
+    """Where decode time goes: input transform, matmul kernel, output transform; matmul kernel variants
+    (ring-order dot: tiles per program x K tiles per step x warps x split-K; the ring FMA kernel) timed
+    as graph replays, per rate and codebook, plus the MoE units kernel."""
+    log("\n== GEMV breakdown and configs (graph replay, matmul kernel alone) ==")
+    configs = [(8, 1, 4), (8, 2, 4), (16, 1, 4), (4, 2, 4), (16, 2, 4), (8, 2, 8)]
     for k, n in shapes:
+        for cb in ("mul1", "3inst"):
+            for bits in bits_list:
+                trellis, suh, svh = make_layer(k, n, bits, cb, seed=4)
+                for m in (1, 16):
+                    if late():
+                        return
+                    x = torch.randn(m, k, device=DEVICE[0]).half()
+                    u = input_transform(x, suh)
+                    z = ring_dot_partials(u, trellis, bits, cb, 16, 8, 2)
+                    parts = dict(input_us=timed(lambda: input_transform(x, suh), graph=True),
+                                 output_us=timed(lambda: output_transform(z, svh, None, x.dtype), graph=True))
+                    variants = {}
+                    if m == 1:
+                        bm, bnt0 = ring_config(m, bits)
+                        variants["fma_ring"] = timed(lambda: ring_partials(u, trellis, bits, cb, bm, bnt0), graph=True)
+                    for bnt, kt, warps in configs:
+                        if (n // 16) % bnt:
+                            continue
+                        base = choose_splits(n // 16 // bnt, k // 16 // kt, x.device)
+                        for splits in sorted({base, base * 2}):
+                            if (k // 16) % (splits * kt):
+                                continue
+                            key = f"dot_bnt{bnt}_kt{kt}_w{warps}_s{splits}"
+                            variants[key] = timed(lambda: ring_dot_partials(u, trellis, bits, cb, 16, bnt, kt, splits,
+                                                                            num_warps=warps), graph=True)
+                    best = min(variants, key=variants.get)
+                    row = dict(kind="breakdown", k=k, n=n, codebook=cb, bits=bits, m=m, **parts, variants=variants,
+                               best=best)
+                    RESULTS.append(row)
+                    top = sorted(variants.items(), key=lambda kv: kv[1])[:6]
+                    log(f"{k}x{n} {cb} K{bits} M={m}: in {parts['input_us']:.1f} out {parts['output_us']:.1f} µs | "
+                        f"best {best} {variants[best]:.1f} µs ({k * n / variants[best] / 1e3:.0f} Gw/s) | "
+                        + ", ".join(f"{key} {us:.1f}" for key, us in top)
+                        + (f" | fma_ring {variants['fma_ring']:.1f}" if "fma_ring" in variants else ""))
+    e_count, hidden, inter, top_k = MOE["experts"], MOE["hidden"], MOE["intermediate"], MOE["top_k"]
+    trellis, suh, svh = make_layer(hidden, inter, 4, "mul1", seed=1, experts=e_count)
+    for tokens in (1, 4):
+        ids = torch.randperm(e_count, device=DEVICE[0])[:tokens * top_k].int()
+        u = torch.randn(tokens * top_k, hidden, device=DEVICE[0]).half()
+        variants = {"fma_ring": timed(lambda: ring_partials(u, trellis, 4, "mul1", 1, ring_config(1, 4)[1], ids=ids),
+                                      graph=True)}
+        for bnt, kt, warps in ((4, 1, 4), (8, 1, 4), (8, 2, 4), (4, 2, 4), (16, 1, 4)):
+            if (inter // 16) % bnt:
+                continue
+            variants[f"dot_bnt{bnt}_kt{kt}_w{warps}"] = timed(
+                lambda: ring_dot_partials(u, trellis, 4, "mul1", 16, bnt, kt, ids=ids, num_warps=warps), graph=True)
+        best = min(variants, key=variants.get)
+        RESULTS.append(dict(kind="breakdown_moe", tokens=tokens, variants=variants, best=best))
+        log(f"MoE gate units T={tokens}: best {best} {variants[best]:.1f} µs; all: "
+            + ", ".join(f"{key} {us:.1f}" for key, us in sorted(variants.items(), key=lambda kv: kv[1])))
+
+
+def bench_reconstruct(shapes) -> None:
+    """Prefill weight reconstruction variants at M = 2048: both Hadamards in the weight (two dots per block)
+    vs the right one only (input transform on the activations), per config; the matmul is the same."""
+    log("\n== reconstruct variants (mul1 K=4, eager, µs; kernel alone) ==")
+    for k, n in shapes:
+        if late():
+            return
         trellis, suh, svh = make_layer(k, n, 4, "mul1", seed=4)
-        for m in (1, 4, 16):
-            if late():
-                return
-            x = torch.randn(m, k, device=DEVICE[0]).half()
-            u = input_transform(x, suh)
-            bm, bnt0 = ring_config(m, 4)
-            z = ring_partials(u, trellis, 4, "mul1", bm, bnt0)
-            parts = dict(input_us=timed(lambda: input_transform(x, suh)),
-                         output_us=timed(lambda: output_transform(z, svh, None, x.dtype)))
-            variants = {}
-            for bnt in sorted({max(1, bnt0 // 2), bnt0, bnt0 * 2}):
-                base = choose_splits(triton_cdiv(m, bm) * triton_cdiv(n // 16, bnt), k // 16, x.device)
-                for splits in sorted({max(1, base // 2), base, base * 2}):
-                    if (k // 16) % splits:
-                        continue
-                    for warps in (4, 8):
-                        key = f"ring_bm{bm}_bnt{bnt}_s{splits}_w{warps}"
-                        variants[key] = timed(lambda: ring_partials(u, trellis, 4, "mul1", bm, bnt, splits,
-                                                                    num_warps=warps))
-            if m == 16:
-                variants["tiled_bm16_bn32_bk64"] = timed(lambda: matmul_partials(u, trellis, 4, "mul1", 16, 32, 64))
-            best = min(variants, key=variants.get)
-            row = dict(kind="breakdown", k=k, n=n, m=m, **parts, variants=variants, best=best)
-            RESULTS.append(row)
-            log(f"{k}x{n} M={m}: input {parts['input_us']:.1f} µs, output {parts['output_us']:.1f} µs, "
-                f"best matmul {best} {variants[best]:.1f} µs ({k * n / variants[best] / 1e3:.0f} Gweights/s); all: "
-                + ", ".join(f"{key} {us:.1f}" for key, us in sorted(variants.items(), key=lambda kv: kv[1])))
+        x = torch.randn(PREFILL_ROWS, k, device=DEVICE[0]).half()
+        variants = {"full_2dots": timed(lambda: reconstruct(trellis, suh, svh, 4, "mul1")),
+                    "input_transform": timed(lambda: input_transform(x, suh))}
+        for rows, kt, warps in ((8, 4, 4), (8, 2, 4), (16, 4, 4), (8, 4, 8), (32, 4, 4), (8, 1, 4)):
+            if (k // 16) % rows:
+                continue
+            variants[f"right_r{rows}_kt{kt}_w{warps}"] = timed(
+                lambda: right_reconstruct(trellis, svh, 4, "mul1", rows, kt, warps))
+        RESULTS.append(dict(kind="reconstruct", k=k, n=n, variants=variants))
+        log(f"{k}x{n}: " + ", ".join(f"{key} {us:.1f}" for key, us in sorted(variants.items(), key=lambda kv: kv[1])))
 
 
 def triton_cdiv(a, b):
@@ -225,7 +270,7 @@ def triton_cdiv(a, b):
 
 def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
     log("\n== prefill / crossover ==")
-    log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>5} | {'gemv':>8} {'tiled':>8} {'fused':>8} "
+    log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>5} | {'gemv':>8} {'tiled':>8} {'fused':>8} {'rfused':>8} "
         f"{'exl3':>8} {'torch':>8} | {'best':>8} {'vs_exl3':>7} {'vs_torch':>8}")
     for k, n in shapes:
         w16 = torch.randn(k, n, device=DEVICE[0]).half()
@@ -239,21 +284,28 @@ def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
                     x = torch.randn(m, k, device=DEVICE[0]).half()
                     row = dict(kind="prefill", k=k, n=n, codebook=cb, bits=bits, m=m,
                                fused_us=timed(lambda: reconstruct_gemm(x, trellis, suh, svh, bits, cb)),
+                               rfused_us=timed(lambda: right_reconstruct_gemm(x, trellis, suh, svh, bits, cb)),
                                torch_us=timed(lambda: x @ w16))
-                    if m <= 64:
-                        row["tiled_us"] = timed(lambda: gemm(x, trellis, suh, svh, bits, cb, config=(64, 64, 32)))
+                    if m >= 64:
+                        tiled = {cfg: timed(lambda: gemm(x, trellis, suh, svh, bits, cb, config=cfg))
+                                 for cfg in ((64, 16, 1, 8), (128, 8, 2, 8))
+                                 if (n // 16) % cfg[1] == 0}
+                        row["tiled_config"] = min(tiled, key=tiled.get)
+                        row["tiled_us"] = tiled[row["tiled_config"]]
                     if m <= 32:
                         row["gemv_us"] = timed(lambda: gemv(x, trellis, suh, svh, bits, cb))
                     if lin is not None:
                         row["exl3_us"] = timed(lambda: lin.forward(x, {}))
                     ours = {key: v for key, v in row.items() if key.endswith("_us") and key not in ("torch_us", "exl3_us")}
+                    if "tiled_config" in row:
+                        log(f"   tiled (on-chip decode GEMM) best config {row['tiled_config']}")
                     best = min(ours, key=ours.get)
                     row["best"] = best
                     RESULTS.append(row)
                     e = row.get("exl3_us", float("nan"))
                     nan = float("nan")
                     log(f"{k:>5}x{n:<6} {cb:>5} {bits:>3} {m:>5} | {row.get('gemv_us', nan):8.1f} "
-                        f"{row.get('tiled_us', nan):8.1f} {row['fused_us']:8.1f} {e:8.1f} "
+                        f"{row.get('tiled_us', nan):8.1f} {row['fused_us']:8.1f} {row['rfused_us']:8.1f} {e:8.1f} "
                         f"{row['torch_us']:8.1f} | {best[:-3]:>8} {e / ours[best]:7.2f} {row['torch_us'] / ours[best]:8.2f}")
         del w16
 
@@ -341,9 +393,9 @@ def main() -> int:
     sections = set(args.sections.split(","))
     DEADLINE[0] = args.deadline
     if args.smoke:  # exercise every section on tiny shapes under TRITON_INTERPRET=1, no GPU
-        global SHAPES_27B, SHAPES_OTHER, DECODE_BITS, CROSSOVER_ROWS, PREFILL_ROWS
+        global SHAPES_27B, SHAPES_OTHER, DECODE_BITS, CROSSOVER_ROWS, PREFILL_ROWS, BREAKDOWN_SHAPES
         DEVICE[0] = "cpu"
-        SHAPES_27B, SHAPES_OTHER = [(256, 128)], [(128, 256)]
+        SHAPES_27B, SHAPES_OTHER, BREAKDOWN_SHAPES = [(256, 128)], [(128, 256)], [(256, 128)]
         CROSSOVER_SHAPE[0] = (256, 128)
         DECODE_BITS, CROSSOVER_ROWS, PREFILL_ROWS = (4,), (16, 300), 300
         MOE.update(experts=8, hidden=256, intermediate=128, top_k=2)
@@ -374,13 +426,15 @@ def main() -> int:
             check_correctness(exl3)
         if due("decode"):
             bench_decode(exl3, shapes, (4,) if args.quick else DECODE_BITS, ("mul1", "3inst"), DECODE_ROWS, copy_gbps)
-        if due("breakdown"):
-            bench_breakdown(shapes[:1] if args.quick else [(5120, 5120), (5120, 17408), (5120, 1024)])
+        if due("reconstruct"):
+            bench_reconstruct(SHAPES_27B)
         if due("prefill"):
             bench_prefill(exl3, shapes, (4,), ("mul1",), (PREFILL_ROWS,))
             bench_prefill(exl3, [CROSSOVER_SHAPE[0]], (4,), ("mul1",), CROSSOVER_ROWS)
         if due("moe"):
             bench_moe(exl3)
+        if due("breakdown"):
+            bench_breakdown(BREAKDOWN_SHAPES[:1] if args.quick else BREAKDOWN_SHAPES)
         if not args.quick and due("other"):
             bench_decode(exl3, SHAPES_OTHER, (4,), ("mul1",), (1, 16), copy_gbps, graphs=False)
             bench_prefill(exl3, SHAPES_OTHER, (4,), ("mul1",), (PREFILL_ROWS,))

@@ -1,19 +1,18 @@
-"""EXL3 GEMV / small-batch matmul (Triton): z = u · Ŵ with Ŵ decoded in registers, never written out.
+"""EXL3 GEMV / small-batch and on-chip-decode matmul (Triton): z = u · Ŵ with Ŵ decoded in registers,
+never written out.
 
-Two kernels: `exl3_matmul_kernel` decodes Ŵ in its (row, col) layout per [BK, BN] block and feeds tl.dot
-(5-16 rows, and the on-chip GEMM of triton_gemm), and `exl3_gemv_ring_kernel` (below) decodes in trellis
-order with compile-time shifts and gathers activations instead (1-4 rows, and MoE units); PERF.md v2.
+`exl3_ring_dot_kernel` (v3): per K step, KT×BNT tiles are decoded in ring order (triton_decode.ring_operand)
+into one fp16 dot operand; activations are loaded through the same row order, results stored through the
+column order. One kernel for 1..16 rows (a 16-row dot tile), MoE units (one unit per program, expert id
+read on the device) and larger row tiles (triton_gemm.gemm). tl.dot = MMA on NVIDIA, DPAS on Arc.
+`exl3_gemv_ring_kernel` (v2) multiplies each decoded weight into each row with FMAs instead.
 
 Layouts:
     u        fp16 (rows, k)            the input transform's output (triton_hadamard.input_transform)
     trellis  int16 (k/16, n/16, 16*bits) as stored, read as int32 words (triton_decode); MoE: (E, ...) stacked
     z        fp32 (splits, rows, n)    split-K partial sums; triton_hadamard.output_transform reduces them
 
-exl3_matmul_kernel: one program owns BN output columns × BM (>= 16) rows × one K split. Per BK-row step it
-decodes the [BK, BN] block of Ŵ (two word loads, a funnel shift and the codebook per weight; the word/bit
-offsets are loop-invariant) and feeds tl.dot (fp16 operands, fp32 accumulate: DPAS on Arc, MMA on NVIDIA).
-
-Split-K exists because decode shapes have few output columns per SM (5120x1024: 16 column blocks of 64):
+Split-K exists because decode shapes have few output columns per SM (5120x1024: 8 column blocks of 128):
 splits bring the program count near SPLIT_TARGET_PROGRAMS_PER_CORE x cores.
 """
 
@@ -25,41 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from exl3local.kernels.triton_decode import CODEBOOK_ID, decode_block, decode_state, position_table, tile_offsets, words
+from exl3local.kernels.triton_decode import (
+    CODEBOOK_ID, decode_state, lanes_per_superlane, ring_cols, ring_operand, ring_rows, ring_state, words,
+)
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
 
 # Programs per compute unit that split-K aims for: the best H200 configs ran 4-8 per SM (544-1024
 # programs on 132 SMs; bench/kernels.py breakdown, PERF.md v2).
 SPLIT_TARGET_PROGRAMS_PER_CORE = 4
-RING_MAX_ROWS = 4  # rows served by the ring kernel; 5..16 rows go to the tiled dot kernel
-TILED_GEMV_CONFIG = (16, 32, 64)  # (BM, BN, BK): best tiled config at 16 rows on the H200
-
-
-@triton.jit
-def exl3_matmul_kernel(u_ptr, w_ptr, tab_ptr, z_ptr, M, size_k, tiles_n, k_per_split, stride_zs,
-                       W32: tl.constexpr, CODEBOOK: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    size_n = tiles_n * 16
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    off_hi, off_lo, shift = tile_offsets(tab_ptr, rk, rn, tiles_n, W32)
-
-    k_start = pid_s * k_per_split
-    w_base = w_ptr + (k_start // 16).to(tl.int64) * tiles_n * W32
-    u_rows = u_ptr + rm.to(tl.int64)[:, None] * size_k + k_start
-    step = (BK // 16) * tiles_n * W32
-    mask_m = (rm < M)[:, None]
-    z = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, k_per_split, BK):
-        w = decode_block(w_base, off_hi, off_lo, shift, CODEBOOK)
-        u = tl.load(u_rows + k0 + rk[None, :], mask=mask_m, other=0.0)
-        z = tl.dot(u, w, z)
-        w_base += step
-    tl.store(z_ptr + pid_s * stride_zs + rm.to(tl.int64)[:, None] * size_n + rn[None, :], z, mask=mask_m)
+RING_DOT_CONFIG = (8, 1, 4)  # (tiles per program along n, tile rows per K step, warps); re-measured per device
 
 
 @functools.lru_cache(maxsize=8)
@@ -82,73 +55,7 @@ def choose_splits(blocks: int, k_steps: int, device: torch.device) -> int:
     return splits
 
 
-def matmul_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook: str,
-                    block_m: int, block_n: int, block_k: int, splits: int | None = None,
-                    num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """z partials (splits, rows, n) fp32 of u · Ŵ through the tiled kernel (block_m >= 16: a tl.dot tile)."""
-    rows, size_k = u.shape
-    tiles_n, width = trellis.shape[-2], trellis.shape[-1]
-    size_n = tiles_n * 16
-    k_steps = size_k // block_k
-    m_blocks = triton.cdiv(rows, block_m)
-    if splits is None:
-        splits = choose_splits(m_blocks * (size_n // block_n), k_steps, u.device)
-    z = torch.empty(splits, rows, size_n, dtype=torch.float32, device=u.device)
-    grid = (size_n // block_n, splits, m_blocks)
-    exl3_matmul_kernel[grid](
-        u, words(trellis), position_table(bits, u.device), z, rows, size_k, tiles_n, size_k // splits, z.stride(0),
-        W32=width // 2, CODEBOOK=CODEBOOK_ID[codebook], BM=block_m, BN=block_n, BK=block_k,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return z
-
-
-# ---- Ring-order GEMV (v2): decode positions in trellis order, gather the activations instead ----------
-#
-# Lane t of a tile holds ring positions 8t..8t+7 (the MMA B-fragment order, spec §4), whose codes are
-# contiguous stream bits. G consecutive lanes ("a super-lane") span a whole number of 32-bit words, so
-# within a super-lane every position's state sits at a compile-time word and bit offset: the kernel
-# unrolls the 8·G positions with constant shifts, and each word is loaded once per super-lane instead of
-# twice per weight. Position (t, j) multiplies activation row 2(t&3) + (j&1) + 8((j>>1)&1) of its tile and
-# adds into output column (t>>2) + 8(j>>2); the 16 positions of each column are summed at the end.
-
-
-def lanes_per_superlane(bits: float) -> int:
-    """G: lanes whose 8·G·bits stream bits are a whole number of 32-bit words."""
-    bits_x2 = int(round(2 * bits))  # 8 positions per lane: 4·bits_x2 bits
-    g = 1
-    while (4 * bits_x2 * g) % 32:
-        g *= 2
-    return g
-
-
-@triton.jit
-def _ring_word(row_base, tile_col, mask_n, s, WI: tl.constexpr, WPS: tl.constexpr, W32: tl.constexpr):
-    """Word WI of super-lane s's window (word 0 is the word before the super-lane; the ring wraps)."""
-    idx = s * WPS + (WI - 1)
-    if WI == 0:
-        idx = tl.where(idx < 0, idx + W32, idx)
-    word = tl.load(row_base + tile_col[:, None] + idx[None, :], mask=mask_n[:, None], other=0)
-    return word.to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def ring_state(row_base, tile_col, mask_n, s, g: tl.constexpr, j: tl.constexpr, KA: tl.constexpr,
-               HALF: tl.constexpr, WPS: tl.constexpr, W32: tl.constexpr):
-    """States [BNT, S] of position 8g+j of every super-lane s of every tile (uint32, 0..65535)."""
-    # Compile-time position arithmetic: the position's state ends at stream bit `end` of its super-lane.
-    p = 8 * g + j
-    end = (p + 1) * KA + ((p + 1) >> 1) * HALF
-    a = end + 16  # window start, counted from word 0 (the word before the super-lane)
-    wi = a >> 5
-    off = a & 31
-    hi = _ring_word(row_base, tile_col, mask_n, s, wi, WPS, W32)
-    if off <= 16:
-        state = (hi >> (16 - off)) & 0xFFFF
-    else:
-        lo = _ring_word(row_base, tile_col, mask_n, s, wi + 1, WPS, W32)
-        state = ((hi << (off - 16)) | (lo >> (48 - off))) & 0xFFFF
-    return state
+# ---- Ring-order GEMV with FMAs (v2): one row's products per weight, for comparison with the dot kernel ----
 
 
 @triton.jit
@@ -181,7 +88,7 @@ def exl3_gemv_ring_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, tk_p
         for g in tl.static_range(G):
             t = s * G + g
             for j in tl.static_range(8):
-                state = ring_state(row_base, tile_col, mask_n, s, g, j, KA, HALF, WPS, W32)
+                state = ring_state(row_base, tile_col[:, None], s[None, :], mask_n[:, None], g, j, KA, HALF, WPS, W32)
                 w = decode_state(state, CODEBOOK).to(tl.float32)
                 row = 2 * (t & 3) + (j & 1) + 8 * ((j >> 1) & 1)
                 uv = tl.load(u_tile + row[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
@@ -214,6 +121,74 @@ def exl3_gemv_ring_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, tk_p
     cols = tn[:, None, None] * 16 + c[None, :, None] + 8 * jh[None, None, :]
     offs = rm.to(tl.int64)[:, None, None, None] * (tiles_n * 16) + cols[None, :, :, :]
     tl.store(z_ptr + pid_s * stride_zs + offs, z, mask=mask_m[:, None, None, None] & mask_n[None, :, None, None])
+
+
+# ---- Ring-order decode feeding tl.dot (v3, triton_decode.ring_operand) ----------------------------------
+
+
+@triton.jit
+def exl3_ring_dot_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, tk_per_split, expert_words, stride_zs,
+                         KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
+                         CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr,
+                         BM: tl.constexpr, BNT: tl.constexpr, KT: tl.constexpr):
+    """z[split] = u · Ŵ over one K split, BM rows × 16·BNT columns per program (MoE: one unit, row 0)."""
+    S: tl.constexpr = 32 // G
+    WPS: tl.constexpr = W32 // S
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    w_base = w_ptr
+    if HAS_IDS:  # each unit has its own expert: one unit per program, in row 0 of the dot tile
+        rm = pid_m + tl.arange(0, BM)
+        mask_m = tl.arange(0, BM) == 0
+        w_base += tl.load(ids_ptr + pid_m).to(tl.int64) * expert_words
+    else:
+        rm = pid_m * BM + tl.arange(0, BM)
+        mask_m = rm < M
+    # The operand is in ring order: activations are loaded, and results stored, through the same maps.
+    k_rows = ring_rows(tl.arange(0, 16 * KT))
+    cols = pid_n * 16 * BNT + ring_cols(tl.arange(0, 16 * BNT))
+    kt = tl.arange(0, KT)
+    tn = pid_n * BNT + tl.arange(0, BNT)
+    tile_off = (kt[:, None, None] * tiles_n + tn[None, :, None]) * W32
+    s = tl.arange(0, S)[None, None, :]
+    tk_start = pid_s * tk_per_split
+    row_base = w_base + tk_start.to(tl.int64) * tiles_n * W32
+    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk_start * 16 + k_rows[None, :]
+    acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
+    for _ in range(0, tk_per_split, KT):
+        w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, WPS, W32, G, CODEBOOK)
+        u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
+        acc = tl.dot(u, w, acc)
+        row_base += KT * tiles_n * W32
+        u_ptrs += 16 * KT
+    tl.store(z_ptr + pid_s * stride_zs + rm.to(tl.int64)[:, None] * (tiles_n * 16) + cols[None, :], acc,
+             mask=mask_m[:, None])
+
+
+def ring_dot_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook: str, block_m: int,
+                      block_nt: int, block_kt: int, splits: int | None = None, ids: torch.Tensor | None = None,
+                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """z partials (splits, rows, n) fp32 of u · Ŵ through the ring-order dot kernel (block_m >= 16)."""
+    rows, size_k = u.shape
+    tiles_n, width = trellis.shape[-2], trellis.shape[-1]
+    tiles_k = size_k // 16
+    if tiles_n % block_nt or tiles_k % block_kt:
+        raise ValueError(f"ring dot blocks ({block_kt}x{block_nt} tiles) must divide the {tiles_k}x{tiles_n} tiles")
+    m_blocks = rows if ids is not None else triton.cdiv(rows, block_m)
+    n_blocks = tiles_n // block_nt
+    if splits is None:
+        splits = choose_splits(m_blocks * n_blocks, tiles_k // block_kt, u.device)
+    z = torch.empty(splits, rows, tiles_n * 16, dtype=torch.float32, device=u.device)
+    expert_words = trellis[0].numel() // 2 if ids is not None else 0
+    exl3_ring_dot_kernel[(n_blocks, splits, m_blocks)](
+        u, words(trellis), ids if ids is not None else u, z,
+        rows, size_k, tiles_n, tiles_k // splits, expert_words, z.stride(0),
+        KA=int(bits), HALF=bits != int(bits), W32=width // 2, G=lanes_per_superlane(bits),
+        CODEBOOK=CODEBOOK_ID[codebook], HAS_IDS=ids is not None, BM=block_m, BNT=block_nt, KT=block_kt,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return z
 
 
 def ring_config(rows: int, bits: float) -> tuple[int, int]:
@@ -249,16 +224,11 @@ def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook:
 
 
 def gemv(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float,
-         codebook: str, bias: torch.Tensor | None = None, config: tuple[int, int] | None = None,
+         codebook: str, bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
          splits: int | None = None) -> torch.Tensor:
-    """y = x·W (+ bias) for few rows: input transform, decode-in-registers matmul, output transform.
-
-    Up to RING_MAX_ROWS rows the ring kernel (FMAs per row); above, the tiled kernel's 16-row dot tile,
-    which beat 8- and 16-row ring tiles on every H200 shape measured (PERF.md v2)."""
+    """y = x·W (+ bias) for up to 16 rows: input transform, ring-order dot (Ŵ decoded in registers, one
+    16-row dot tile whatever the row count), output transform. config = (BNT, KT, warps)."""
+    block_nt, block_kt, warps = config or RING_DOT_CONFIG
     u = input_transform(x2d, suh)
-    if x2d.shape[0] <= RING_MAX_ROWS or config is not None:
-        block_m, block_nt = config or ring_config(x2d.shape[0], bits)
-        z = ring_partials(u, trellis, bits, codebook, block_m, block_nt, splits)
-    else:
-        z = matmul_partials(u, trellis, bits, codebook, *TILED_GEMV_CONFIG, splits)
+    z = ring_dot_partials(u, trellis, bits, codebook, 16, block_nt, block_kt, splits, num_warps=warps)
     return output_transform(z, svh, bias, x2d.dtype)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from exl3local.kernels import reference
 from exl3local.kernels.triton_decode import decode_dense
 from exl3local.kernels.triton_gemm import reconstruct
-from exl3local.kernels.triton_gemv import matmul_partials, ring_partials
+from exl3local.kernels.triton_gemv import ring_dot_partials, ring_partials
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -50,14 +50,20 @@ def test_dense_decode_matches_exllamav3_on_every_fixture(fixture_cases):
         assert _same_bits(decoded, t["w_inner"]) == 0, case["case"]
 
 
-@pytest.mark.parametrize("codebook,bits", [("3inst", 3), ("mcg", 5), ("mul1", 4), ("mul1", 2.5), ("mul1", 8)])
-def test_tiled_kernel_decodes_bit_exactly_in_registers(make_layer, kernel_device, codebook, bits):
+@pytest.mark.parametrize(
+    "codebook,bits",
+    # every super-lane width (G = 1, 2, 4, 8) and every codebook
+    [("3inst", 3), ("mcg", 5), ("mul1", 4), ("mul1", 2.5), ("mul1", 1.5), ("mul1", 2), ("mcg", 6), ("3inst", 8)],
+)
+@pytest.mark.parametrize("block_m,block_nt,block_kt", [(16, 8, 1), (32, 4, 2)])
+def test_ring_dot_kernel_decodes_bit_exactly_in_registers(make_layer, kernel_device, codebook, bits, block_m,
+                                                          block_nt, block_kt):
     # One-hot rows pick single rows of Ŵ: each output is one product w*1 in fp32, so z == Ŵ exactly.
     # Rows 17i mod 128 hit every in-tile row once, across all eight tile rows.
     trellis, _, _ = make_layer(128, 128, bits, codebook, seed=3)
-    picked = (torch.arange(16) * 17) % 128
+    picked = (torch.arange(block_m) * 17) % 128
     one_hot = torch.eye(128, dtype=torch.float16, device=kernel_device)[picked.to(kernel_device)]
-    z = matmul_partials(one_hot, trellis, bits, codebook, 16, 64, 32, splits=2).sum(0)
+    z = ring_dot_partials(one_hot, trellis, bits, codebook, block_m, block_nt, block_kt, splits=2).sum(0)
     expected = reference.decode_trellis(trellis, bits, codebook)[picked.to(kernel_device)]
     assert _same_bits(z.half(), expected) == 0
 
