@@ -17,49 +17,24 @@ Reconstruct numerics follow exllamav3's get_weight_tensor order (spec §5): Hk·
 rounded to fp16, ⊙suh in fp16, ·Hn in fp32, rounded to fp16, ⊙svh in fp16. The ±1 Hadamard operands are
 exact in fp16, so both products run as fp16 dots with fp32 accumulation (tensor cores / DPAS). Ŵ is decoded
 in ring order (triton_decode.ring_operand); the Hadamard operands are taken at the ring's row and column
-indices (ring_hadamards, loaded from memory: computing their signs per block was two thirds of the kernel's
-instructions), so the products come out in natural order with no shuffle of Ŵ.
+indices (triton_hadamard.hadamard_operands, loaded from memory: computing their signs per block was two
+thirds of the kernel's instructions), so the products come out in natural order with no shuffle of Ŵ.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from exl3local.kernels.hadamard import HADAMARD_SCALE
-from exl3local.kernels.triton_decode import CODEBOOK_ID, lanes_per_superlane, ring_cols, ring_operand, ring_rows, words
+from exl3local.kernels.triton_decode import CODEBOOK_ID, lanes_per_superlane, ring_operand, ring_rows, words
 from exl3local.kernels.triton_gemv import ring_dot_partials
-from exl3local.kernels.triton_hadamard import input_transform, output_transform
+from exl3local.kernels.triton_hadamard import (
+    RING_COLUMNS, RING_ROWS, hadamard_operands, input_transform, load_hadamard, output_transform,
+)
 
 GEMM_CONFIG = (64, 8, 2, 4)  # (BM, BNT, KT, warps); re-measure per device with bench/kernels.py
-
-
-@triton.jit
-def _ring_hadamards_kernel(out_ptr):
-    """out[0] = H[:, ring_rows], out[1] = H[ring_cols, :]: the unscaled H128 (±1, fp16) with its columns
-    (rows) in the ring order of triton_decode.ring_operand, the operands that apply Hk·Ŵ and Ŵ·Hn to a
-    ring-order block of Ŵ."""
-    i = tl.arange(0, 128)
-    for side in tl.static_range(2):
-        if side == 0:
-            p = i[:, None] & ring_rows(i)[None, :]
-        else:
-            p = ring_cols(i)[:, None] & i[None, :]
-        p = p ^ (p >> 4)
-        p = p ^ (p >> 2)
-        p = p ^ (p >> 1)
-        tl.store(out_ptr + side * 128 * 128 + i[:, None] * 128 + i[None, :], (1 - 2 * (p & 1)).to(tl.float16))
-
-
-@functools.lru_cache(maxsize=8)
-def ring_hadamards(device: torch.device) -> torch.Tensor:
-    """(2, 128, 128) fp16, see _ring_hadamards_kernel; made once per device (the kernels load it from cache)."""
-    out = torch.empty(2, 128, 128, dtype=torch.float16, device=device)
-    _ring_hadamards_kernel[(1,)](out)
-    return out
 
 
 @triton.jit
@@ -69,7 +44,7 @@ def _reconstruct_kernel(w_ptr, had_ptr, suh_ptr, svh_ptr, out_ptr, tiles_n, KA: 
     pid_k = tl.program_id(1)
     S: tl.constexpr = 32 // G
     # Ŵ of the 128x128 block in ring order (triton_decode.ring_operand); the Hadamard operands are taken at
-    # the ring's indices (ring_hadamards), so the products come out in natural order.
+    # the ring's indices (hadamard_operands), so the products come out in natural order.
     i = tl.arange(0, 128)
     kt = tl.arange(0, 8)
     tn = pid_n * 8 + tl.arange(0, 8)
@@ -79,10 +54,9 @@ def _reconstruct_kernel(w_ptr, had_ptr, suh_ptr, svh_ptr, out_ptr, tiles_n, KA: 
                          CODEBOOK)
     rows = pid_k * 128 + i
     cols = pid_n * 128 + i
-    had = had_ptr + i[:, None] * 128 + i[None, :]
-    left = (tl.dot(tl.load(had), w_hat) * SCALE).to(tl.float16)
+    left = (tl.dot(load_hadamard(had_ptr, RING_COLUMNS), w_hat) * SCALE).to(tl.float16)
     left = (left.to(tl.float32) * tl.load(suh_ptr + rows).to(tl.float32)[:, None]).to(tl.float16)
-    right = (tl.dot(left, tl.load(had + 128 * 128)) * SCALE).to(tl.float16)
+    right = (tl.dot(left, load_hadamard(had_ptr, RING_ROWS)) * SCALE).to(tl.float16)
     w = (right.to(tl.float32) * tl.load(svh_ptr + cols).to(tl.float32)[None, :]).to(tl.float16)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * (tiles_n * 16) + cols[None, :], w)
 
@@ -97,7 +71,7 @@ def _right_reconstruct_kernel(w_ptr, had_ptr, svh_ptr, out_ptr, tiles_n, tk_per_
     S: tl.constexpr = 32 // G
     i = tl.arange(0, 128)
     cols = pid_n * 128 + i
-    h_right = tl.load(had_ptr + 128 * 128 + i[:, None] * 128 + i[None, :])  # rows in ring order
+    h_right = load_hadamard(had_ptr, RING_ROWS)
     svh = tl.load(svh_ptr + cols).to(tl.float32)[None, :]
     kt = tl.arange(0, KT)
     tile_off = (kt[:, None, None] * tiles_n + pid_n * 8 + tl.arange(0, 8)[None, :, None]) * W32
@@ -119,7 +93,7 @@ def right_reconstruct(trellis: torch.Tensor, svh: torch.Tensor, bits: float, cod
     tiles_k, tiles_n, width = trellis.shape
     w = torch.empty(tiles_k * 16, tiles_n * 16, dtype=torch.float16, device=trellis.device)
     _right_reconstruct_kernel[(tiles_n // 8, tiles_k // tile_rows_per_program)](
-        words(trellis), ring_hadamards(trellis.device), svh, w, tiles_n, tile_rows_per_program, KA=int(bits),
+        words(trellis), hadamard_operands(trellis.device), svh, w, tiles_n, tile_rows_per_program, KA=int(bits),
         HALF=bits != int(bits), W32=width // 2, G=lanes_per_superlane(bits), CODEBOOK=CODEBOOK_ID[codebook],
         SCALE=HADAMARD_SCALE, KT=block_kt, num_warps=num_warps,
     )
@@ -142,7 +116,7 @@ def reconstruct(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bit
     w = torch.empty(tiles_k * 16, tiles_n * 16, dtype=torch.float16, device=trellis.device)
     grid = (tiles_n // 8, tiles_k // 8)
     _reconstruct_kernel[grid](
-        words(trellis), ring_hadamards(trellis.device), suh, svh, w, tiles_n, KA=int(bits), HALF=bits != int(bits), W32=width // 2,
+        words(trellis), hadamard_operands(trellis.device), suh, svh, w, tiles_n, KA=int(bits), HALF=bits != int(bits), W32=width // 2,
         G=lanes_per_superlane(bits), CODEBOOK=CODEBOOK_ID[codebook], SCALE=HADAMARD_SCALE, num_warps=8,
     )
     return w

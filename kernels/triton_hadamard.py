@@ -1,11 +1,17 @@
 """The activation-side transforms of an EXL3 linear (Triton), spec §5:
 
-    input:   u = fp16( H128(x ⊙ suh) )          x (rows, k) any float dtype -> u (rows, k) fp16
-    output:  y = H128(Σ_s z_s) ⊙ svh (+ bias)   z (splits, rows, n) split-K partials (fp32, or fp16 from a
-                                                 vendor matmul) -> y (rows, n)
+    input:   u = fp16( H128(fp16(x ⊙ suh)) )    x (rows, k) any float dtype -> u (rows, k) fp16
+    output:  y = H128(Σ_s z_s) ⊙ svh (+ bias)   z (splits, rows, n) split-K partials (fp32) -> y (rows, n)
 
-H128 runs in fp32 as the Kronecker product H16 ⊗ H8 (index i = 8·i1 + i0, so (-1)^popcount(i&j) factors):
-24 adds per element instead of 128, with ±1 entries and the 1/√128 scale applied once at the end.
+H128 runs as a dot with the ±1 matrix (tensor cores / DPAS, fp32 accumulation; the 1/√128 scale once at
+the end): the elementwise butterfly it replaced ran the input transform at 32 Gelements/s (332 µs at
+2048×5120 on the H200). The input product x ⊙ suh is rounded to fp16 first, as exllamav3's had_hf does,
+and multiplies the fp16 ±1 operand on tensor cores. The output sums stay fp32 ("ieee" dot: FMAs, exact
+products), so the output transform adds no fp16 overflow or rounding of its own; it serves at most 16
+rows (decode) and costs 128 FMAs per element.
+
+The ±1 operands (natural order, and with columns / rows in the ring order of triton_decode.ring_operand for
+the reconstruct kernels) are made once per device and loaded from memory (hadamard_operands).
 
 MoE (grouped units): with `ids` given, row r of u/z/y is unit r, whose expert is ids[r] (read on the device)
 and whose activation row is x[r // x_div]; suh/svh/bias are then stacked per expert, (E, k) / (E, n).
@@ -13,39 +19,51 @@ and whose activation row is x[r // x_div]; suh/svh/bias are then stacked per exp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from exl3local.kernels.hadamard import HADAMARD_SCALE
+from exl3local.kernels.triton_decode import ring_cols, ring_rows
 
-ROWS_PER_PROGRAM = 4  # the two Kronecker stages hold BM*16*16*8 fp32 products: 32 registers/thread at 4 warps
-
-
-@triton.jit
-def _parity_sign(a, b):
-    """(-1)^popcount(a & b) as fp32, for indices below 16."""
-    p = a & b
-    p = p ^ (p >> 1)
-    p = p ^ (p >> 2)
-    return 1.0 - 2.0 * (p & 1).to(tl.float32)
+NATURAL, RING_COLUMNS, RING_ROWS = 0, 1, 2  # the three operands of hadamard_operands
 
 
 @triton.jit
-def had128(v, BM: tl.constexpr):
-    """Unscaled H128 applied to each row of v [BM, 128] fp32 (fp32 result)."""
-    i8 = tl.arange(0, 8)
-    i16 = tl.arange(0, 16)
-    h8 = _parity_sign(i8[:, None], i8[None, :])  # [i0, j0]
-    h16 = _parity_sign(i16[:, None], i16[None, :])  # [i1, j1]
-    v3 = tl.reshape(v, (BM, 16, 8))
-    t = tl.sum(v3[:, :, :, None] * h8[None, None, :, :], axis=2)  # [m, i1, j0]
-    o = tl.sum(t[:, :, None, :] * h16[None, :, :, None], axis=1)  # [m, j1, j0]
-    return tl.reshape(o, (BM, 128))
+def _hadamard_operands_kernel(out_ptr):
+    i = tl.arange(0, 128)
+    for which in tl.static_range(3):
+        if which == 0:
+            p = i[:, None] & i[None, :]
+        elif which == 1:
+            p = i[:, None] & ring_rows(i)[None, :]
+        else:
+            p = ring_cols(i)[:, None] & i[None, :]
+        p = p ^ (p >> 4)
+        p = p ^ (p >> 2)
+        p = p ^ (p >> 1)
+        tl.store(out_ptr + which * 128 * 128 + i[:, None] * 128 + i[None, :], (1 - 2 * (p & 1)).to(tl.float16))
+
+
+@functools.lru_cache(maxsize=8)
+def hadamard_operands(device: torch.device) -> torch.Tensor:
+    """(3, 128, 128) fp16 ±1: [NATURAL] = H, [RING_COLUMNS] = H[:, ring_rows] (applies Hk to a ring-order
+    block from the left), [RING_ROWS] = H[ring_cols, :] (applies Hn from the right); unscaled."""
+    out = torch.empty(3, 128, 128, dtype=torch.float16, device=device)
+    _hadamard_operands_kernel[(1,)](out)
+    return out
 
 
 @triton.jit
-def _input_kernel(x_ptr, suh_ptr, ids_ptr, u_ptr, M, size_k, stride_xm, x_div,
+def load_hadamard(had_ptr, WHICH: tl.constexpr):
+    i = tl.arange(0, 128)
+    return tl.load(had_ptr + WHICH * 128 * 128 + i[:, None] * 128 + i[None, :])
+
+
+@triton.jit
+def _input_kernel(x_ptr, suh_ptr, ids_ptr, had_ptr, u_ptr, M, size_k, stride_xm, x_div,
                   HAS_IDS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -57,12 +75,12 @@ def _input_kernel(x_ptr, suh_ptr, ids_ptr, u_ptr, M, size_k, stride_xm, x_div,
         s = tl.load(suh_ptr + e[:, None] * size_k + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
         s = tl.load(suh_ptr + rk).to(tl.float32)[None, :]
-    u = (had128(x * s, BM) * SCALE).to(tl.float16)
-    tl.store(u_ptr + rm.to(tl.int64)[:, None] * size_k + rk[None, :], u, mask=mask)
+    u = tl.dot((x * s).to(tl.float16), load_hadamard(had_ptr, NATURAL)) * SCALE
+    tl.store(u_ptr + rm.to(tl.int64)[:, None] * size_k + rk[None, :], u.to(tl.float16), mask=mask)
 
 
 @triton.jit
-def _output_kernel(z_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, M, size_n, splits, stride_zs,
+def _output_kernel(z_ptr, svh_ptr, bias_ptr, ids_ptr, had_ptr, y_ptr, M, size_n, splits, stride_zs,
                    HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -71,17 +89,23 @@ def _output_kernel(z_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, M, size_n, splits, 
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for s in range(1, splits):
         z += tl.load(z_ptr + s * stride_zs + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.dot(z, load_hadamard(had_ptr, NATURAL).to(tl.float32), input_precision="ieee") * SCALE
     if HAS_IDS:
         e = tl.load(ids_ptr + rm, mask=rm < M, other=0).to(tl.int64)
         vec = e[:, None] * size_n + rn[None, :]
-        y = had128(z, BM) * SCALE * tl.load(svh_ptr + vec, mask=mask, other=0.0).to(tl.float32)
+        y *= tl.load(svh_ptr + vec, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             y += tl.load(bias_ptr + vec, mask=mask, other=0.0).to(tl.float32)
     else:
-        y = had128(z, BM) * SCALE * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
+        y *= tl.load(svh_ptr + rn).to(tl.float32)[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rows_per_program(rows: int) -> int:
+    """A dot tile of 16 rows for decode batches, 64 for prefill."""
+    return 16 if rows <= 16 else 64
 
 
 def input_transform(x: torch.Tensor, suh: torch.Tensor, ids: torch.Tensor | None = None, x_div: int = 1,
@@ -90,10 +114,10 @@ def input_transform(x: torch.Tensor, suh: torch.Tensor, ids: torch.Tensor | None
     size_k = x.shape[-1]
     rows = x.shape[0] if rows is None else rows
     u = torch.empty(rows, size_k, dtype=torch.float16, device=x.device)
-    grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), size_k // 128)
-    _input_kernel[grid](
-        x, suh, ids if ids is not None else suh, u, rows, size_k, x.stride(0), x_div,
-        HAS_IDS=ids is not None, SCALE=HADAMARD_SCALE, BM=ROWS_PER_PROGRAM,
+    block_m = rows_per_program(rows)
+    _input_kernel[(triton.cdiv(rows, block_m), size_k // 128)](
+        x, suh, ids if ids is not None else suh, hadamard_operands(x.device), u, rows, size_k, x.stride(0), x_div,
+        HAS_IDS=ids is not None, SCALE=HADAMARD_SCALE, BM=block_m,
     )
     return u
 
@@ -103,10 +127,10 @@ def output_transform(z: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | No
     """y = H128(Σ_s z[s]) ⊙ svh (+ bias) in `dtype`; z is (splits, rows, n), contiguous."""
     splits, rows, size_n = z.shape
     y = torch.empty(rows, size_n, dtype=dtype, device=z.device)
-    grid = (triton.cdiv(rows, ROWS_PER_PROGRAM), size_n // 128)
-    _output_kernel[grid](
-        z, svh, bias if bias is not None else svh, ids if ids is not None else svh, y,
+    block_m = rows_per_program(rows)
+    _output_kernel[(triton.cdiv(rows, block_m), size_n // 128)](
+        z, svh, bias if bias is not None else svh, ids if ids is not None else svh, hadamard_operands(z.device), y,
         rows, size_n, splits, z.stride(0),
-        HAS_IDS=ids is not None, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE, BM=ROWS_PER_PROGRAM,
+        HAS_IDS=ids is not None, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE, BM=block_m,
     )
     return y

@@ -40,7 +40,8 @@ def test_input_transform_is_within_one_fp16_rounding(kernel_device):
     g = torch.Generator().manual_seed(12)
     x = torch.randn(3, 256, generator=g).to(kernel_device)
     suh = (torch.randn(256, generator=g) * 0.05).half().to(kernel_device)
-    exact = hadamard_rows((x.double() * suh.double()).cpu()).double()
+    # spec §5 (exllamav3's had_hf): x ⊙ suh is rounded to fp16, then transformed and rounded once more
+    exact = hadamard_rows((x.double() * suh.double()).half().double().cpu()).double()
     u = input_transform(x, suh).double().cpu()
     ulp = exact.abs().clamp_min(2**-14) * 2**-10
     assert ((u - exact).abs() <= ulp).all()
