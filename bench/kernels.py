@@ -22,8 +22,8 @@ import torch
 from exl3local.kernels import KernelSpec, prepare, reference
 from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER
 from exl3local.kernels.triton_decode import decode_dense
-from exl3local.kernels.triton_gemm import gemm, reconstruct, reconstruct_gemm, right_reconstruct, right_reconstruct_gemm
-from exl3local.kernels.triton_gemv import choose_splits, gemv, ring_config, ring_dot_partials, ring_partials
+from exl3local.kernels.triton_gemm import reconstruct_gemm, right_reconstruct
+from exl3local.kernels.triton_gemv import choose_splits, gemv, ring_config, ring_dot_config, ring_dot_partials, ring_partials
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
 from exl3local.kernels.triton_moe import moe_decode
 
@@ -245,17 +245,16 @@ def bench_breakdown(shapes, bits_list=(2, 3, 4, 6, 8)) -> None:
 
 
 def bench_reconstruct(shapes) -> None:
-    """Prefill weight reconstruction variants at M = 2048: both Hadamards in the weight (two dots per block)
-    vs the right one only (input transform on the activations), per config; the matmul is the same."""
-    log("\n== reconstruct variants (mul1 K=4, eager, µs; kernel alone) ==")
+    """Prefill pieces at M = 2048 (mul1 K=4, eager, µs): the W_r reconstruct kernel per config (tile rows per
+    program, tile rows per dot, warps) and the input transform; the vendor matmul is timed in prefill."""
+    log("\n== reconstruct pieces (mul1 K=4, eager, µs; kernel alone) ==")
     for k, n in shapes:
         if late():
             return
         trellis, suh, svh = make_layer(k, n, 4, "mul1", seed=4)
         x = torch.randn(PREFILL_ROWS, k, device=DEVICE[0]).half()
-        variants = {"full_2dots": timed(lambda: reconstruct(trellis, suh, svh, 4, "mul1")),
-                    "input_transform": timed(lambda: input_transform(x, suh))}
-        for rows, kt, warps in ((8, 4, 4), (8, 2, 4), (16, 4, 4), (8, 4, 8), (32, 4, 4), (8, 1, 4)):
+        variants = {"input_transform": timed(lambda: input_transform(x, suh))}
+        for rows, kt, warps in ((32, 4, 4), (16, 4, 4), (32, 2, 4), (32, 4, 8), (64, 4, 4)):
             if (k // 16) % rows:
                 continue
             variants[f"right_r{rows}_kt{kt}_w{warps}"] = timed(
@@ -264,13 +263,31 @@ def bench_reconstruct(shapes) -> None:
         log(f"{k}x{n}: " + ", ".join(f"{key} {us:.1f}" for key, us in sorted(variants.items(), key=lambda kv: kv[1])))
 
 
+def bench_stages(shapes) -> None:
+    """Software-pipelining depth of the ring dot kernel (num_stages 1 = loads straight to registers, as in
+    the FMA kernel; 2 = the default cp.async double buffer), 16 rows, graph replay."""
+    log("\n== ring dot num_stages (16 rows, graph, µs) ==")
+    for k, n in shapes:
+        for bits in (4, 6, 8):
+            if late():
+                return
+            trellis, suh, svh = make_layer(k, n, bits, "mul1", seed=4)
+            u = input_transform(torch.randn(16, k, device=DEVICE[0]).half(), suh)
+            bnt, kt, warps = ring_dot_config(bits)
+            variants = {f"stages{st}": timed(lambda: ring_dot_partials(u, trellis, bits, "mul1", 16, bnt, kt,
+                                                                       num_warps=warps, num_stages=st), graph=True)
+                        for st in (1, 2, 3)}
+            RESULTS.append(dict(kind="stages", k=k, n=n, bits=bits, variants=variants))
+            log(f"{k}x{n} mul1 K{bits}: " + ", ".join(f"{key} {us:.1f}" for key, us in variants.items()))
+
+
 def triton_cdiv(a, b):
     return (a + b - 1) // b
 
 
 def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
     log("\n== prefill / crossover ==")
-    log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>5} | {'gemv':>8} {'tiled':>8} {'fused':>8} {'rfused':>8} "
+    log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>5} | {'gemv':>8} {'fused':>8} "
         f"{'exl3':>8} {'torch':>8} | {'best':>8} {'vs_exl3':>7} {'vs_torch':>8}")
     for k, n in shapes:
         w16 = torch.randn(k, n, device=DEVICE[0]).half()
@@ -284,28 +301,19 @@ def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
                     x = torch.randn(m, k, device=DEVICE[0]).half()
                     row = dict(kind="prefill", k=k, n=n, codebook=cb, bits=bits, m=m,
                                fused_us=timed(lambda: reconstruct_gemm(x, trellis, suh, svh, bits, cb)),
-                               rfused_us=timed(lambda: right_reconstruct_gemm(x, trellis, suh, svh, bits, cb)),
                                torch_us=timed(lambda: x @ w16))
-                    if m >= 64:
-                        tiled = {cfg: timed(lambda: gemm(x, trellis, suh, svh, bits, cb, config=cfg))
-                                 for cfg in ((64, 16, 1, 8), (128, 8, 2, 8))
-                                 if (n // 16) % cfg[1] == 0}
-                        row["tiled_config"] = min(tiled, key=tiled.get)
-                        row["tiled_us"] = tiled[row["tiled_config"]]
-                    if m <= 32:
+                    if m <= 128:  # one row tile decoded on chip (the dispatch's GEMM path up to 64 rows)
                         row["gemv_us"] = timed(lambda: gemv(x, trellis, suh, svh, bits, cb))
                     if lin is not None:
                         row["exl3_us"] = timed(lambda: lin.forward(x, {}))
                     ours = {key: v for key, v in row.items() if key.endswith("_us") and key not in ("torch_us", "exl3_us")}
-                    if "tiled_config" in row:
-                        log(f"   tiled (on-chip decode GEMM) best config {row['tiled_config']}")
                     best = min(ours, key=ours.get)
                     row["best"] = best
                     RESULTS.append(row)
                     e = row.get("exl3_us", float("nan"))
                     nan = float("nan")
                     log(f"{k:>5}x{n:<6} {cb:>5} {bits:>3} {m:>5} | {row.get('gemv_us', nan):8.1f} "
-                        f"{row.get('tiled_us', nan):8.1f} {row['fused_us']:8.1f} {row['rfused_us']:8.1f} {e:8.1f} "
+                        f"{row['fused_us']:8.1f} {e:8.1f} "
                         f"{row['torch_us']:8.1f} | {best[:-3]:>8} {e / ours[best]:7.2f} {row['torch_us'] / ours[best]:8.2f}")
         del w16
 
@@ -435,6 +443,8 @@ def main() -> int:
             bench_moe(exl3)
         if due("breakdown"):
             bench_breakdown(BREAKDOWN_SHAPES[:1] if args.quick else BREAKDOWN_SHAPES)
+        if due("stages"):
+            bench_stages(BREAKDOWN_SHAPES[:1])
         if not args.quick and due("other"):
             bench_decode(exl3, SHAPES_OTHER, (4,), ("mul1",), (1, 16), copy_gbps, graphs=False)
             bench_prefill(exl3, SHAPES_OTHER, (4,), ("mul1",), (PREFILL_ROWS,))

@@ -135,9 +135,9 @@ class TorchReferenceKernel(Exl3Kernel):
 
 # Row-count crossovers of TritonLinearKernel. Measured on the H200 by bench/kernels.py (docs/PERF.md);
 # unmeasured on Arc, where the same constants are a first guess.
-GEMV_MAX_ROWS = 16  # decode-in-registers kernels (triton_gemv.gemv: ring kernel <= 4 rows, tiled dot above)
-RECONSTRUCT_MIN_ROWS = 17  # the tiled on-chip-decode GEMM lost to reconstruct + vendor matmul at every
-# M >= 16 measured (5120x17408: 1698-1718 vs 447-451 µs at M=16..64), so from 17 rows the dense path serves
+GEMV_MAX_ROWS = 16  # one 16-row dot tile (one row: the FMA ring kernel at some rates), triton_gemv.gemv
+RECONSTRUCT_MIN_ROWS = 65  # 17..64 rows: one 32/64-row tile decoded on chip (GEMM); from 65 the dense W_r
+# once per call + vendor matmul, which cost 270-320 µs at 5120x17408 for any M <= 256 (h200-v3b-sweep.log)
 
 
 class TritonLinearKernel(Exl3Kernel):
@@ -183,8 +183,8 @@ class TritonLinearKernel(Exl3Kernel):
             y = x2d.new_empty(0, spec.size_n)
         elif path is KernelPath.GEMV:
             y = triton_gemv.gemv(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
-        elif path is KernelPath.GEMM:
-            y = triton_gemm.gemm(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
+        elif path is KernelPath.GEMM:  # the same kernel with a 32- or 64-row tile
+            y = triton_gemv.gemv(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
         else:
             y = triton_gemm.reconstruct_gemm(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
         return y.reshape(*lead, spec.size_n)

@@ -29,10 +29,21 @@ from exl3local.kernels.triton_decode import (
 )
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
 
-# Programs per compute unit that split-K aims for: the best H200 configs ran 4-8 per SM (544-1024
-# programs on 132 SMs; bench/kernels.py breakdown, PERF.md v2).
-SPLIT_TARGET_PROGRAMS_PER_CORE = 4
-RING_DOT_CONFIG = (8, 1, 4)  # (tiles per program along n, tile rows per K step, warps); re-measured per device
+# Programs per compute unit that split-K aims for: 4.5 picks the best measured split on all four 27B decode
+# shapes on the H200 (docs/perf/h200-v3b-sweep.log: 8 splits at 5120x17408, 16 at 5120x5120 and 17408x5120).
+SPLIT_TARGET_PROGRAMS_PER_CORE = 4.5
+# Ring dot (BNT, KT, warps) per super-lane width G (1: K=4,8; 2: K=2,6; 4: K=1,3,5,7; 8: half rates): KT·BNT·32/G
+# decoded weights per position must cover the threads, or the decode is replicated (G=4 at KT=1 ran 2x
+# slower). Best measured at 16 rows on the H200 (h200-v3b-sweep.log); G=8 is an unmeasured extrapolation.
+RING_DOT_CONFIGS = {1: (8, 1, 4), 2: (8, 1, 4), 4: (8, 2, 4), 8: (8, 4, 4)}
+# At one row the FMA ring kernel (one product per weight, no operand shuffle) beat the dot kernel except at
+# 2 and 4 bits (same log: e.g. 5120x17408 K8 108 vs 153 µs, K4 105 vs 67 µs).
+DOT_ONE_ROW_BITS = (2, 4)
+
+
+def ring_dot_config(bits: float) -> tuple[int, int, int]:
+    """(BNT, KT, warps) of the ring dot kernel for this rate (RING_DOT_CONFIGS)."""
+    return RING_DOT_CONFIGS[lanes_per_superlane(bits)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -224,11 +235,16 @@ def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook:
 
 
 def gemv(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float,
-         codebook: str, bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
-         splits: int | None = None) -> torch.Tensor:
-    """y = x·W (+ bias) for up to 16 rows: input transform, ring-order dot (Ŵ decoded in registers, one
-    16-row dot tile whatever the row count), output transform. config = (BNT, KT, warps)."""
-    block_nt, block_kt, warps = config or RING_DOT_CONFIG
+         codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x·W (+ bias): input transform, ring-order matmul (Ŵ decoded in registers, never written),
+    output transform. Rows share a 16-, 32- or 64-row dot tile (decode batches, and the dispatch's GEMM
+    path up to 64 rows); one row at rates other than DOT_ONE_ROW_BITS runs the FMA ring kernel."""
+    rows = x2d.shape[0]
     u = input_transform(x2d, suh)
-    z = ring_dot_partials(u, trellis, bits, codebook, 16, block_nt, block_kt, splits, num_warps=warps)
+    if rows == 1 and bits not in DOT_ONE_ROW_BITS:
+        z = ring_partials(u, trellis, bits, codebook, *ring_config(1, bits))
+    else:
+        block_nt, block_kt, warps = ring_dot_config(bits)
+        block_m = min(64, max(16, triton.next_power_of_2(rows)))
+        z = ring_dot_partials(u, trellis, bits, codebook, block_m, block_nt, block_kt, num_warps=warps)
     return output_transform(z, svh, bias, x2d.dtype)

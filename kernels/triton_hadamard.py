@@ -10,8 +10,8 @@ and multiplies the fp16 ±1 operand on tensor cores. The output sums stay fp32 (
 products), so the output transform adds no fp16 overflow or rounding of its own; it serves at most 16
 rows (decode) and costs 128 FMAs per element.
 
-The ±1 operands (natural order, and with columns / rows in the ring order of triton_decode.ring_operand for
-the reconstruct kernels) are made once per device and loaded from memory (hadamard_operands).
+The ±1 operands (natural order, and with rows in the ring order of triton_decode.ring_operand for the
+reconstruct kernel) are made once per device and loaded from memory (hadamard_operands).
 
 MoE (grouped units): with `ids` given, row r of u/z/y is unit r, whose expert is ids[r] (read on the device)
 and whose activation row is x[r // x_div]; suh/svh/bias are then stacked per expert, (E, k) / (E, n).
@@ -26,19 +26,17 @@ import triton
 import triton.language as tl
 
 from exl3local.kernels.hadamard import HADAMARD_SCALE
-from exl3local.kernels.triton_decode import ring_cols, ring_rows
+from exl3local.kernels.triton_decode import ring_cols
 
-NATURAL, RING_COLUMNS, RING_ROWS = 0, 1, 2  # the three operands of hadamard_operands
+NATURAL, RING_ROWS = 0, 1  # the operands of hadamard_operands
 
 
 @triton.jit
 def _hadamard_operands_kernel(out_ptr):
     i = tl.arange(0, 128)
-    for which in tl.static_range(3):
-        if which == 0:
+    for which in tl.static_range(2):
+        if which == NATURAL:
             p = i[:, None] & i[None, :]
-        elif which == 1:
-            p = i[:, None] & ring_rows(i)[None, :]
         else:
             p = ring_cols(i)[:, None] & i[None, :]
         p = p ^ (p >> 4)
@@ -49,9 +47,9 @@ def _hadamard_operands_kernel(out_ptr):
 
 @functools.lru_cache(maxsize=8)
 def hadamard_operands(device: torch.device) -> torch.Tensor:
-    """(3, 128, 128) fp16 ±1: [NATURAL] = H, [RING_COLUMNS] = H[:, ring_rows] (applies Hk to a ring-order
-    block from the left), [RING_ROWS] = H[ring_cols, :] (applies Hn from the right); unscaled."""
-    out = torch.empty(3, 128, 128, dtype=torch.float16, device=device)
+    """(2, 128, 128) fp16 ±1, unscaled: [NATURAL] = H; [RING_ROWS] = H[ring_cols, :], which applies Hn
+    from the right to a block whose columns are in ring order (triton_gemm)."""
+    out = torch.empty(2, 128, 128, dtype=torch.float16, device=device)
     _hadamard_operands_kernel[(1,)](out)
     return out
 

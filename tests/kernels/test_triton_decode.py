@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from exl3local.kernels import reference
 from exl3local.kernels.triton_decode import decode_dense
-from exl3local.kernels.triton_gemm import reconstruct
+from exl3local.kernels.hadamard import hadamard_cols
+from exl3local.kernels.triton_gemm import right_reconstruct
 from exl3local.kernels.triton_gemv import ring_dot_partials, ring_partials
 
 pytestmark = pytest.mark.skipif(
@@ -68,9 +69,11 @@ def test_ring_dot_kernel_decodes_bit_exactly_in_registers(make_layer, kernel_dev
     assert _same_bits(z.half(), expected) == 0
 
 
-def test_reconstruct_is_within_exllamav3_spread(fixture_cases):
+def test_right_reconstruct_is_within_exllamav3_spread(fixture_cases):
+    # W_r = Ŵ·Hn⊙svh, so diag(suh)·Hk·W_r is the weight in the original basis (exllamav3's w_recon).
     for case, t in fixture_cases[::4]:
-        w = reconstruct(t["trellis"], t["suh"], t["svh"], case["K"], case["codebook"])
+        w_r = right_reconstruct(t["trellis"], t["svh"], case["K"], case["codebook"])
+        w = hadamard_cols(w_r) * t["suh"].float()[:, None]
         tolerance = 2e-3 * t["w_recon"].float().abs().max().item()
         err = (w.float() - t["w_recon"].float()).abs().max().item()
         assert err <= tolerance, f"{case['case']}: max |W - w_recon| = {err:.2e}"

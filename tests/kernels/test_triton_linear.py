@@ -12,9 +12,8 @@ from safetensors.torch import load_file
 from exl3local.kernels import KernelPath, KernelSpec, linear, prepare, reference
 from exl3local.kernels.dispatch import GEMV_MAX_ROWS, RECONSTRUCT_MIN_ROWS, TritonLinearKernel
 from exl3local.kernels.hadamard import hadamard_rows
-from exl3local.kernels.triton_gemm import gemm, reconstruct_gemm
 from exl3local.kernels.triton_hadamard import input_transform
-from exl3local.kernels.triton_gemv import gemv
+from exl3local.kernels.triton_gemv import gemv, ring_dot_partials, ring_partials
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -26,11 +25,12 @@ COMBOS = [("mul1", 4), ("mul1", 2), ("mcg", 6), ("3inst", 3), ("mul1", 2.5)]
 FP32_NOISE = 2e-5  # relative norm error of fp32 accumulation at these sizes (measured ~1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2])  # one row: the FMA ring kernel at some rates (DOT_ONE_ROW_BITS)
 @pytest.mark.parametrize("codebook,bits", COMBOS)
 def test_gemv_matches_emulation_for_every_rate(make_layer, emulate, relative_error, kernel_device,
-                                                              codebook, bits):
+                                                              codebook, bits, rows):
     trellis, suh, svh = make_layer(128, 128, bits, codebook, seed=1)
-    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(2)).to(kernel_device)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(2)).to(kernel_device)
     y = gemv(x, trellis, suh, svh, bits, codebook)
     assert y.dtype == torch.float32
     assert relative_error(y, emulate(x, trellis, suh, svh, bits, codebook)) < FP32_NOISE
@@ -47,7 +47,7 @@ def test_input_transform_is_within_one_fp16_rounding(kernel_device):
     assert ((u - exact).abs() <= ulp).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, max(RECONSTRUCT_MIN_ROWS, GEMV_MAX_ROWS + 1) + 4])
+@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5, RECONSTRUCT_MIN_ROWS + 4])
 def test_every_path_with_bias_and_odd_rows(make_layer, emulate, relative_error, kernel_device, rows):
     bits, codebook = 4, "mul1"
     trellis, suh, svh = make_layer(128, 256, bits, codebook, seed=rows)
@@ -70,18 +70,10 @@ def test_paths_follow_the_row_thresholds():
     kernel = TritonLinearKernel(KernelSpec(128, 128, 4, "mul1"), None)
     assert kernel.path_for(1) is KernelPath.GEMV
     assert kernel.path_for(GEMV_MAX_ROWS) is KernelPath.GEMV
+    assert kernel.path_for(GEMV_MAX_ROWS + 1) is KernelPath.GEMM
+    assert kernel.path_for(RECONSTRUCT_MIN_ROWS - 1) is KernelPath.GEMM
     assert kernel.path_for(RECONSTRUCT_MIN_ROWS) is KernelPath.RECONSTRUCT_GEMM
     assert kernel.path_for(4096) is KernelPath.RECONSTRUCT_GEMM
-
-
-@pytest.mark.parametrize("fn", [gemm, reconstruct_gemm])
-def test_tiled_gemm_and_fused_reconstruct_match(make_layer, emulate, relative_error, kernel_device, fn):
-    # The dispatch serves neither today (PERF.md), but the bench compares both against the chosen paths.
-    trellis, suh, svh = make_layer(256, 128, 4, "3inst", seed=11)
-    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(11)).to(kernel_device)
-    y = fn(x, trellis, suh, svh, 4, "3inst")
-    limit = FP32_NOISE if fn is gemm else 2e-3
-    assert relative_error(y, emulate(x, trellis, suh, svh, 4, "3inst")) < limit
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -94,12 +86,19 @@ def test_half_inputs_keep_their_dtype(make_layer, emulate, relative_error, kerne
     assert relative_error(y.reshape(6, 256), emulate(x.reshape(6, 128), trellis, suh, svh, 4, "3inst")) < rounding
 
 
-def test_split_k_does_not_change_the_result(make_layer, relative_error, kernel_device):
-    trellis, suh, svh = make_layer(512, 128, 2, "mcg", seed=6)
-    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6)).to(kernel_device)
-    one = gemv(x, trellis, suh, svh, 2, "mcg", splits=1)
-    four = gemv(x, trellis, suh, svh, 2, "mcg", splits=4)
-    assert relative_error(four, one) < 1e-6
+@pytest.mark.parametrize("kernel", ["dot", "fma"])
+def test_split_k_does_not_change_the_result(make_layer, relative_error, kernel_device, kernel):
+    trellis, _, _ = make_layer(512, 128, 2, "mcg", seed=6)
+    u = torch.randn(5, 512, generator=torch.Generator().manual_seed(6)).half().to(kernel_device)
+
+    def partials(splits):
+        if kernel == "dot":
+            return ring_dot_partials(u, trellis, 2, "mcg", 16, 8, 1, splits=splits)
+        return ring_partials(u, trellis, 2, "mcg", 8, 4, splits=splits)
+
+    one, four = partials(1), partials(4)
+    assert one.shape[0] == 1 and four.shape[0] == 4
+    assert relative_error(four.sum(0), one[0]) < 1e-6
 
 
 def test_matches_exllamav3_outputs_on_fixtures(fixtures_dir, kernel_device, relative_error):
