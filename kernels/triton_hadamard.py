@@ -28,7 +28,7 @@ import triton.language as tl
 from exl3local.kernels.hadamard import HADAMARD_SCALE
 from exl3local.kernels.triton_decode import ring_cols
 
-NATURAL, RING_ROWS = 0, 1  # the operands of hadamard_operands
+NATURAL, RING_ROWS = tl.constexpr(0), tl.constexpr(1)  # the operands of hadamard_operands (jit-visible)
 
 
 @triton.jit
