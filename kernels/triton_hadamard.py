@@ -3,12 +3,12 @@
     input:   u = fp16( H128(fp16(x ⊙ suh)) )    x (rows, k) any float dtype -> u (rows, k) fp16
     output:  y = H128(Σ_s z_s) ⊙ svh (+ bias)   z (splits, rows, n) split-K partials (fp32) -> y (rows, n)
 
-H128 runs as a dot with the ±1 matrix (tensor cores / DPAS, fp32 accumulation; the 1/√128 scale once at
-the end): the elementwise butterfly it replaced ran the input transform at 32 Gelements/s (332 µs at
-2048×5120 on the H200). The input product x ⊙ suh is rounded to fp16 first, as exllamav3's had_hf does,
-and multiplies the fp16 ±1 operand on tensor cores. The output sums stay fp32 ("ieee" dot: FMAs, exact
-products), so the output transform adds no fp16 overflow or rounding of its own; it serves at most 16
-rows (decode) and costs 128 FMAs per element.
+Input: x ⊙ suh is rounded to fp16 (as exllamav3's had_hf does) and multiplied by the fp16 ±1 matrix on
+tensor cores / DPAS (fp32 accumulation, the 1/√128 scale once at the end). The fp32 butterfly it replaced
+ran at 32 Gelements/s (332 µs at 2048×5120 on the H200, now 24 µs).
+Output: the split-K sums stay fp32 through an fp32 butterfly (H128 = H16 ⊗ H8: 24 multiply-adds per
+element), so the transform adds no fp16 overflow or rounding of its own. It serves at most 64 rows. An fp32
+"ieee" dot in its place cost ~80 µs per call on the H200 (docs/perf/h200-v3c-bench.log).
 
 The ±1 operands (natural order, and with rows in the ring order of triton_decode.ring_operand for the
 reconstruct kernel) are made once per device and loaded from memory (hadamard_operands).
@@ -29,6 +29,8 @@ from exl3local.kernels.hadamard import HADAMARD_SCALE
 from exl3local.kernels.triton_decode import ring_cols
 
 NATURAL, RING_ROWS = tl.constexpr(0), tl.constexpr(1)  # the operands of hadamard_operands (jit-visible)
+# The output butterfly holds BM*16*16*8 fp32 products: 32 registers/thread at 4 warps
+OUTPUT_ROWS_PER_PROGRAM = 4
 
 
 @triton.jit
@@ -61,6 +63,28 @@ def load_hadamard(had_ptr, WHICH: tl.constexpr):
 
 
 @triton.jit
+def _parity_sign(a, b):
+    """(-1)^popcount(a & b) as fp32, for indices below 16."""
+    p = a & b
+    p = p ^ (p >> 1)
+    p = p ^ (p >> 2)
+    return 1.0 - 2.0 * (p & 1).to(tl.float32)
+
+
+@triton.jit
+def had128(v, BM: tl.constexpr):
+    """Unscaled H128 applied to each row of v [BM, 128] fp32 (fp32 result)."""
+    i8 = tl.arange(0, 8)
+    i16 = tl.arange(0, 16)
+    h8 = _parity_sign(i8[:, None], i8[None, :])  # [i0, j0]
+    h16 = _parity_sign(i16[:, None], i16[None, :])  # [i1, j1]
+    v3 = tl.reshape(v, (BM, 16, 8))
+    t = tl.sum(v3[:, :, :, None] * h8[None, None, :, :], axis=2)  # [m, i1, j0]
+    o = tl.sum(t[:, :, None, :] * h16[None, :, :, None], axis=1)  # [m, j1, j0]
+    return tl.reshape(o, (BM, 128))
+
+
+@triton.jit
 def _input_kernel(x_ptr, suh_ptr, ids_ptr, had_ptr, u_ptr, M, size_k, stride_xm, x_div,
                   HAS_IDS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -78,7 +102,7 @@ def _input_kernel(x_ptr, suh_ptr, ids_ptr, had_ptr, u_ptr, M, size_k, stride_xm,
 
 
 @triton.jit
-def _output_kernel(z_ptr, svh_ptr, bias_ptr, ids_ptr, had_ptr, y_ptr, M, size_n, splits, stride_zs,
+def _output_kernel(z_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, M, size_n, splits, stride_zs,
                    HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -87,15 +111,14 @@ def _output_kernel(z_ptr, svh_ptr, bias_ptr, ids_ptr, had_ptr, y_ptr, M, size_n,
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for s in range(1, splits):
         z += tl.load(z_ptr + s * stride_zs + offs, mask=mask, other=0.0).to(tl.float32)
-    y = tl.dot(z, load_hadamard(had_ptr, NATURAL).to(tl.float32), input_precision="ieee") * SCALE
     if HAS_IDS:
         e = tl.load(ids_ptr + rm, mask=rm < M, other=0).to(tl.int64)
         vec = e[:, None] * size_n + rn[None, :]
-        y *= tl.load(svh_ptr + vec, mask=mask, other=0.0).to(tl.float32)
+        y = had128(z, BM) * SCALE * tl.load(svh_ptr + vec, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             y += tl.load(bias_ptr + vec, mask=mask, other=0.0).to(tl.float32)
     else:
-        y *= tl.load(svh_ptr + rn).to(tl.float32)[None, :]
+        y = had128(z, BM) * SCALE * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -125,10 +148,9 @@ def output_transform(z: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | No
     """y = H128(Σ_s z[s]) ⊙ svh (+ bias) in `dtype`; z is (splits, rows, n), contiguous."""
     splits, rows, size_n = z.shape
     y = torch.empty(rows, size_n, dtype=dtype, device=z.device)
-    block_m = rows_per_program(rows)
-    _output_kernel[(triton.cdiv(rows, block_m), size_n // 128)](
-        z, svh, bias if bias is not None else svh, ids if ids is not None else svh, hadamard_operands(z.device), y,
+    _output_kernel[(triton.cdiv(rows, OUTPUT_ROWS_PER_PROGRAM), size_n // 128)](
+        z, svh, bias if bias is not None else svh, ids if ids is not None else svh, y,
         rows, size_n, splits, z.stride(0),
-        HAS_IDS=ids is not None, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE, BM=block_m,
+        HAS_IDS=ids is not None, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE, BM=OUTPUT_ROWS_PER_PROGRAM,
     )
     return y
