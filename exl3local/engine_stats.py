@@ -20,7 +20,6 @@ from typing import Any
 # and the daemon must not; tests/tui/test_engine_stats.py checks the two stay equal.
 KNOWN_PATHS = (
     "gemv",
-    "gemm",
     "reconstruct_gemm",
     "moe_decode",
     "moe_verify",

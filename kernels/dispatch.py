@@ -32,7 +32,6 @@ class KernelPath(enum.StrEnum):
     """Every path an EXL3 matmul can take. Closed: the trace and the dashboard key on these names."""
 
     GEMV = "gemv"  # decode in registers, few rows
-    GEMM = "gemm"  # decode tiles on chip, feed tl.dot, many rows
     RECONSTRUCT_GEMM = "reconstruct_gemm"  # decode the dense weight once per call, then a torch matmul
     MOE_DECODE = "moe_decode"  # grouped (token, expert) units, one launch per projection
     MOE_VERIFY = "moe_verify"  # a few tokens (speculative verify) through the grouped kernel
@@ -133,16 +132,17 @@ class TorchReferenceKernel(Exl3Kernel):
         return reference.linear(x, trellis, suh, svh, self.spec.bits, self.spec.codebook, bias)
 
 
-# Row-count crossovers of TritonLinearKernel. Measured on the H200 by bench/kernels.py (docs/PERF.md);
-# unmeasured on Arc, where the same constants are a first guess.
+# Row-count crossover of TritonLinearKernel, measured on the H200 by bench/kernels.py (docs/PERF.md);
+# unmeasured on Arc, where the same constant is a first guess.
 GEMV_MAX_ROWS = 16  # one 16-row dot tile (one row: the FMA ring kernel at some rates), triton_gemv.gemv
-RECONSTRUCT_MIN_ROWS = 65  # 17..64 rows: one 32/64-row tile decoded on chip (GEMM); from 65 the dense W_r
-# once per call + vendor matmul, which cost 270-320 µs at 5120x17408 for any M <= 256 (h200-v3b-sweep.log)
+# From 17 rows the dense W_r once per call + vendor matmul (triton_gemm) serves: row tiles decoded on chip
+# (gemv with a 32/64-row tile) lost to it at every M >= 32 measured (5120x17408: 274 vs 209 µs at M=32,
+# 492 vs 207 at 64, 841 vs 208 at 128; docs/perf/h200-v3-bench.log).
 
 
 class TritonLinearKernel(Exl3Kernel):
-    """Triton: GEMV (Ŵ decoded in registers) for few rows, on-chip-decode GEMM for more, dense
-    reconstruct + vendor matmul for prefill (triton_gemv.py / triton_gemm.py)."""
+    """Triton: GEMV (Ŵ decoded in registers) for few rows, dense reconstruct + vendor matmul for more
+    (triton_gemv.py / triton_gemm.py)."""
 
     backend = "triton"
 
@@ -162,11 +162,7 @@ class TritonLinearKernel(Exl3Kernel):
         return None
 
     def path_for(self, rows: int) -> KernelPath:
-        if rows <= GEMV_MAX_ROWS:
-            return KernelPath.GEMV
-        if rows < RECONSTRUCT_MIN_ROWS:
-            return KernelPath.GEMM
-        return KernelPath.RECONSTRUCT_GEMM
+        return KernelPath.GEMV if rows <= GEMV_MAX_ROWS else KernelPath.RECONSTRUCT_GEMM
 
     def apply(self, x, trellis, suh, svh, bias=None):
         from exl3local.kernels import triton_gemm, triton_gemv
@@ -182,8 +178,6 @@ class TritonLinearKernel(Exl3Kernel):
         if x2d.shape[0] == 0:
             y = x2d.new_empty(0, spec.size_n)
         elif path is KernelPath.GEMV:
-            y = triton_gemv.gemv(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
-        elif path is KernelPath.GEMM:  # the same kernel with a 32- or 64-row tile
             y = triton_gemv.gemv(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
         else:
             y = triton_gemm.reconstruct_gemm(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)

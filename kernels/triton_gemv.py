@@ -4,8 +4,9 @@ never written out.
 `exl3_ring_dot_kernel` (v3): per K step, KT×BNT tiles are decoded in ring order (triton_decode.ring_operand)
 into one fp16 dot operand; activations are loaded through the same row order, results stored through the
 column order. One kernel for 1..16 rows (a 16-row dot tile), MoE units (one unit per program, expert id
-read on the device) and larger row tiles (triton_gemm.gemm). tl.dot = MMA on NVIDIA, DPAS on Arc.
-`exl3_gemv_ring_kernel` (v2) multiplies each decoded weight into each row with FMAs instead.
+read on the device) and, for the prefill comparison in bench/kernels.py, 32- and 64-row tiles.
+tl.dot = MMA on NVIDIA, DPAS on Arc. `exl3_gemv_ring_kernel` (v2) multiplies each decoded weight into
+each row with FMAs instead; it still serves one row at the rates where it measured faster.
 
 Layouts:
     u        fp16 (rows, k)            the input transform's output (triton_hadamard.input_transform)

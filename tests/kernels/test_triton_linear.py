@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from exl3local.kernels import KernelPath, KernelSpec, linear, prepare, reference
-from exl3local.kernels.dispatch import GEMV_MAX_ROWS, RECONSTRUCT_MIN_ROWS, TritonLinearKernel
+from exl3local.kernels.dispatch import GEMV_MAX_ROWS, TritonLinearKernel
 from exl3local.kernels.hadamard import hadamard_rows
 from exl3local.kernels.triton_hadamard import input_transform
 from exl3local.kernels.triton_gemv import gemv, ring_dot_partials, ring_partials
@@ -47,7 +47,7 @@ def test_input_transform_is_within_one_fp16_rounding(kernel_device):
     assert ((u - exact).abs() <= ulp).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5, RECONSTRUCT_MIN_ROWS + 4])
+@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5])
 def test_every_path_with_bias_and_odd_rows(make_layer, emulate, relative_error, kernel_device, rows):
     bits, codebook = 4, "mul1"
     trellis, suh, svh = make_layer(128, 256, bits, codebook, seed=rows)
@@ -70,9 +70,7 @@ def test_paths_follow_the_row_thresholds():
     kernel = TritonLinearKernel(KernelSpec(128, 128, 4, "mul1"), None)
     assert kernel.path_for(1) is KernelPath.GEMV
     assert kernel.path_for(GEMV_MAX_ROWS) is KernelPath.GEMV
-    assert kernel.path_for(GEMV_MAX_ROWS + 1) is KernelPath.GEMM
-    assert kernel.path_for(RECONSTRUCT_MIN_ROWS - 1) is KernelPath.GEMM
-    assert kernel.path_for(RECONSTRUCT_MIN_ROWS) is KernelPath.RECONSTRUCT_GEMM
+    assert kernel.path_for(GEMV_MAX_ROWS + 1) is KernelPath.RECONSTRUCT_GEMM
     assert kernel.path_for(4096) is KernelPath.RECONSTRUCT_GEMM
 
 

@@ -84,6 +84,6 @@ def test_reference_kernel_serves_linear_with_bias():
 
 def test_kernel_path_is_closed_and_named():
     assert {p.value for p in KernelPath} == {
-        "gemv", "gemm", "reconstruct_gemm", "moe_decode", "moe_verify", "moe_grouped", "moe_batched", "reference"
+        "gemv", "reconstruct_gemm", "moe_decode", "moe_verify", "moe_grouped", "moe_batched", "reference"
     }
     assert TritonLinearKernel.backend == "triton"

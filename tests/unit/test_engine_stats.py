@@ -80,7 +80,7 @@ def test_memory_fields_for_a_cpu_engine_has_system_ram_only():
 
 def test_kernel_summary_sums_processes_and_flags_fallback_and_latched_paths():
     snapshots = [
-        {"pid": 1, "updated": 1000.0, "paths": {"gemv": {"calls": 10, "tokens": 10}, "gemm": {"calls": 2, "tokens": 64}}},
+        {"pid": 1, "updated": 1000.0, "paths": {"gemv": {"calls": 10, "tokens": 10}, "reconstruct_gemm": {"calls": 2, "tokens": 64}}},
         {"pid": 2, "updated": 1004.0, "paths": {"gemv": {"calls": 5, "tokens": 5, "last_s": 1003.5},
                                                  "reference": {"calls": 1, "tokens": 1}},
          "flags": {"latched_off": {"moe_grouped": "Triton compile failed"}}},
@@ -89,7 +89,7 @@ def test_kernel_summary_sums_processes_and_flags_fallback_and_latched_paths():
     rows = {r["path"]: r for r in out["paths"]}
     assert [r["path"] for r in out["paths"]] == list(engine_stats.KNOWN_PATHS)
     assert rows["gemv"] == {"path": "gemv", "calls": 15, "tokens": 15, "last_seen": 1003.5, "state": "ok", "reason": None}
-    assert rows["gemm"]["last_seen"] == 1000.0
+    assert rows["reconstruct_gemm"]["last_seen"] == 1000.0
     assert rows["reference"]["state"] == "fallback"
     assert rows["moe_grouped"]["state"] == "latched_off" and rows["moe_grouped"]["reason"] == "Triton compile failed"
     assert rows["moe_decode"]["calls"] == 0 and rows["moe_decode"]["last_seen"] is None
@@ -109,12 +109,12 @@ def test_kernel_summary_reads_what_trace_writes(tmp_path):
     counters = trace.PathCounters(directory=tmp_path, pid=os.getpid())
     counters.count("gemv", 1)
     counters.count("gemv", 1)
-    counters.count("gemm", 16)
+    counters.count("reconstruct_gemm", 16)
     counters.flush()
     out = engine_stats.kernel_summary(trace.read_all(tmp_path), now=0.0)
     rows = {r["path"]: r for r in out["paths"]}
     assert (rows["gemv"]["calls"], rows["gemv"]["tokens"]) == (2, 2)
-    assert (rows["gemm"]["calls"], rows["gemm"]["tokens"]) == (1, 16)
+    assert (rows["reconstruct_gemm"]["calls"], rows["reconstruct_gemm"]["tokens"]) == (1, 16)
 
 
 def test_known_paths_match_the_kernel_path_enum():
