@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Shared helpers for every test directory (`from private_user import make_box`). Only tests/support goes on
+# the path: tests/ itself holds directories named like packages (kernels, plugin) that must not shadow any.
+sys.path.append(str(Path(__file__).resolve().parent / "support"))
 SHARED = Path(os.environ.get("EXL3LOCAL_SHARED", REPO.parent / "shared"))
 FIXTURES = SHARED / "fixtures"
 TINY_MODELS = ("tiny-llama-exl3-4.0bpw", "tiny-llama-exl3-2.5bpw", "tiny-qwen3moe-exl3-4.0bpw")

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import pid_alive
+from private_user import free_port, pid_alive
 
 TINY = "tiny-llama-exl3-4.0bpw"
 
@@ -113,7 +113,6 @@ def test_taken_port_is_refused_naming_the_port(box, tiny_models):
 
 
 def test_second_up_on_another_port_moves_the_engine(box, tiny_models):
-    from .conftest import free_port
 
     assert box.cli("up", str(tiny_models[TINY])).returncode == 0
     port = free_port()

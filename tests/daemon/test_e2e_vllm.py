@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from .conftest import clean_box, make_box, pid_alive
+from private_user import clean_box, make_box, pid_alive
 
 pytestmark = pytest.mark.slow
 TINY = "tiny-llama-exl3-4.0bpw"
@@ -20,7 +20,7 @@ TINY = "tiny-llama-exl3-4.0bpw"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_models):
-    box = make_box(tmp_path_factory.mktemp("e2e"), standin=False)
+    box = make_box(tmp_path_factory.mktemp("e2e"))
     t0 = time.monotonic()
     up = box.cli("up", str(tiny_models[TINY]), timeout=600)
     box.up_s = time.monotonic() - t0
@@ -93,7 +93,7 @@ def test_down_leaves_no_process_socket_or_temp_file(served):
 
 
 def test_doctor_imports_vllm_and_registers_the_plugin_in_the_engine_interpreter(tmp_path):
-    box = make_box(tmp_path, standin=False)
+    box = make_box(tmp_path)
     out = box.cli("doctor", timeout=300)
     assert "[ok  ] engine" in out.stdout, out.stdout + out.stderr
     assert "exl3 plugin registers" in out.stdout and out.returncode == 0

@@ -8,7 +8,7 @@ import time
 
 from exl3local.supervisor import end_group, group_alive
 
-from .conftest import pid_alive
+from private_user import pid_alive
 
 STUBBORN = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)"

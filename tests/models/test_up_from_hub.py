@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,21 +12,17 @@ import pytest
 
 from exl3local import pull as pull_mod
 
+from private_user import free_port
+
 TINY = "turboderp-test/tiny-llama-exl3"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_up_pulls_a_hub_repo_then_serves_it(hub, hub_env, tmp_path):
-    engine_port = _free_port()
+    engine_port = free_port()
     env = {
         **os.environ, **hub_env,
-        "EXL3LOCAL_HOST": f"127.0.0.1:{_free_port()}",
+        "EXL3LOCAL_HOST": f"127.0.0.1:{free_port()}",
         "XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
         "XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_RUNTIME_DIR": str(tmp_path / "run"),
         "XDG_DATA_HOME": str(tmp_path / "data"),

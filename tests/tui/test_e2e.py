@@ -3,12 +3,6 @@ a few requests its generation-token counter and kernel-path counts match what th
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -17,45 +11,24 @@ from exl3local.tui.app import make_dashboard
 from exl3local.tui.widgets.kernels import KernelPanel
 from exl3local.tui.widgets.throughput import ThroughputPanel
 
+from private_user import clean_box, make_box
+
 pytestmark = pytest.mark.slow
 TINY = "tiny-llama-exl3-4.0bpw"
 PROMPTS = ["def main():", "import os, sys\nclass Server:", "for i in range(10):\n    print(i)"]
 MAX_TOKENS = 6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, tiny_models):
     """`exl3local up` as a private user: own XDG dirs, ports and TMPDIR; no GPU, so the cpu profile."""
-    root = tmp_path_factory.mktemp("dash-e2e")
-    for d in ("state", "config", "cache", "run", "tmp", "nosys"):
-        (root / d).mkdir(mode=0o700)
-    port, engine_port = _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXL3LOCAL_", "XDG_"))}
-    env.update({
-        "XDG_STATE_HOME": str(root / "state"), "XDG_CONFIG_HOME": str(root / "config"),
-        "XDG_CACHE_HOME": str(root / "cache"), "XDG_RUNTIME_DIR": str(root / "run"), "TMPDIR": str(root / "tmp"),
-        "EXL3LOCAL_HOST": f"127.0.0.1:{port}", "EXL3LOCAL_ENGINE_PORT": str(engine_port),
-        "EXL3LOCAL_SYSFS": str(root / "nosys"), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-    })  # fmt: skip
-
-    def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-P", "-m", "exl3local", *args], env=env, cwd=root,
-                              capture_output=True, text=True, timeout=timeout)
-
-    up = cli("up", str(tiny_models[TINY]), timeout=600)
+    box = make_box(tmp_path_factory.mktemp("dash-e2e"))
+    up = box.cli("up", str(tiny_models[TINY]), timeout=600)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{engine_port}/v1"
+        yield f"127.0.0.1:{box.daemon_port}", f"http://127.0.0.1:{box.engine_port}/v1"
     finally:
-        cli("down", timeout=60)
-        with contextlib.suppress(OSError, ValueError):  # only if `down` could not stop it
-            os.kill(int((root / "run" / "exl3local" / "daemon.lock").read_text()), signal.SIGKILL)
+        clean_box(box)
 
 
 def _totals(panel: KernelPanel) -> tuple[int, int]:
