@@ -223,7 +223,8 @@ def words(trellis: torch.Tensor) -> torch.Tensor:
 
 
 def decode_dense(trellis: torch.Tensor, bits: float, codebook: str) -> torch.Tensor:
-    """Ŵ, fp16 (k, n), bit-identical to reference.decode_trellis (the RECONSTRUCT_GEMM path's first step)."""
+    """Ŵ, fp16 (k, n), bit-identical to reference.decode_trellis: the ring decode every kernel uses, written
+    out densely so tests and bench/kernels.py can compare it bit for bit at full shapes."""
     tiles_k, tiles_n, width = trellis.shape
     size_k, size_n = tiles_k * 16, tiles_n * 16
     out = torch.empty(size_k, size_n, dtype=torch.float16, device=trellis.device)

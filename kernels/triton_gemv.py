@@ -241,8 +241,9 @@ def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook:
 def gemv(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float,
          codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x·W (+ bias): input transform, ring-order matmul (Ŵ decoded in registers, never written),
-    output transform. Rows share a 16-, 32- or 64-row dot tile (decode batches, and the dispatch's GEMM
-    path up to 64 rows); one row at rates other than DOT_ONE_ROW_BITS runs the FMA ring kernel."""
+    output transform. Rows share one 16-row dot tile (the dispatch sends at most GEMV_MAX_ROWS = 16; larger
+    counts get 32/64-row tiles, which bench/kernels.py compares with the reconstruct path); one row at rates
+    other than DOT_ONE_ROW_BITS runs the FMA ring kernel."""
     rows = x2d.shape[0]
     u = input_transform(x2d, suh)
     if rows == 1 and bits not in DOT_ONE_ROW_BITS:
