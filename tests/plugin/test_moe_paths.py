@@ -72,7 +72,8 @@ def ckpt(tiny_models):
 
 def reference_moe(ckpt, prefix: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fp16_u: bool = False) -> torch.Tensor:
     """Per token, per chosen expert: w * down(silu(gate(x)) * up(x)), accumulated in fp32. With fp16_u,
-    each projection rounds u = H(x ⊙ suh) to fp16 as the Triton kernels do (their one rounding point)."""
+    each projection rounds as the Triton input transform does: x ⊙ suh to fp16, then u = H(·) to fp16
+    (exllamav3's had_hf order), and the rest stays fp32."""
 
     def lin(v, name):
         t, suh, svh = ckpt[f"{name}.trellis"], ckpt[f"{name}.suh"], ckpt[f"{name}.svh"]
@@ -80,7 +81,7 @@ def reference_moe(ckpt, prefix: str, x: torch.Tensor, weights: torch.Tensor, ids
             return reference.linear(v, t, suh, svh, 4.0, "mul1")
         if name not in DECODED:
             DECODED[name] = reference.decode_trellis(t, 4.0, "mul1").float()
-        u = hadamard_rows(v * suh.float()).half().float()
+        u = hadamard_rows((v * suh.float()).half().float()).half().float()
         return hadamard_rows(u @ DECODED[name]) * svh.float()
 
     out = torch.zeros(x.shape[0], x.shape[1])
@@ -261,9 +262,11 @@ def test_forced_triton_moe_kernel_matches_the_per_expert_reference_loop(experts,
         monkeypatch.undo()
         method.process_weights_after_loading(layer)
     assert layer.exl3_moe_refusal is not None  # back on the reference for the other tests
-    # Against the same arithmetic (u rounded to fp16 where the kernel rounds it): fp32 noise only.
+    # Against the same arithmetic (rounded to fp16 where the kernel rounds): fp32 noise, plus the odd
+    # element of the down projection's input whose fp32 noise crosses an fp16 rounding boundary (one fp16
+    # ulp there moves the outputs by ~1.5e-5).
     want = reference_moe(ckpt, layer.layer_name, x, weights, ids, fp16_u=True)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=4e-5)
     if tokens == 1:  # against the fp32 loop (the existing paths match it bit-exactly): fp16 u costs ~1e-3
         exact = reference_moe(ckpt, layer.layer_name, x, weights, ids)
         assert (got - exact).norm() / exact.norm() < 2e-3
