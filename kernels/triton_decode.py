@@ -173,11 +173,11 @@ def _lanes(row_base, tile_off, s, j: tl.constexpr, KA: tl.constexpr, HALF: tl.co
 
 @triton.jit
 def ring_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA: tl.constexpr,
-                 HALF: tl.constexpr, WPS: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
-                 CODEBOOK: tl.constexpr):
+                 HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr):
     """Ŵ of KT×BNT tiles as a [16·KT, 16·BNT] fp16 dot operand in ring order (see above).
 
-    tile_off: [KT, BNT, 1] word offsets of the tiles from row_base; s: [1, 1, S] super-lanes."""
+    tile_off, s: from ring_tiles (loop-invariant, so kernels make them once outside their K loop)."""
+    WPS: tl.constexpr = W32 // (32 // G)  # words per super-lane
     # j = 4·j2 + 2·j1 + j0; _lanes appends j2, the joins here j1 and j0.
     x = tl.join(tl.join(_lanes(row_base, tile_off, s, 0, KA, HALF, WPS, W32, G, CODEBOOK),
                         _lanes(row_base, tile_off, s, 2, KA, HALF, WPS, W32, G, CODEBOOK)),
@@ -187,6 +187,16 @@ def ring_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA:
     x = tl.reshape(x, (KT, BNT, 8, 4, 2, 4))
     x = tl.permute(x, (0, 3, 5, 1, 2, 4))
     return tl.reshape(x, (16 * KT, 16 * BNT))
+
+
+@triton.jit
+def ring_tiles(tn0, tiles_n, KT: tl.constexpr, BNT: tl.constexpr, W32: tl.constexpr, G: tl.constexpr):
+    """(tile_off [KT, BNT, 1], s [1, 1, 32/G]): word offsets of KT tile rows × BNT tiles from tile column tn0,
+    relative to the first tile row's base, and the super-lane indices, as ring_operand takes them."""
+    kt = tl.arange(0, KT)
+    tn = tn0 + tl.arange(0, BNT)
+    tile_off = (kt[:, None, None] * tiles_n + tn[None, :, None]) * W32
+    return tile_off, tl.arange(0, 32 // G)[None, None, :]
 
 
 @triton.jit
@@ -206,15 +216,19 @@ def _decode_dense_kernel(w_ptr, out_ptr, tiles_n, KA: tl.constexpr, HALF: tl.con
                          G: tl.constexpr, CODEBOOK: tl.constexpr, KT: tl.constexpr, BNT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    S: tl.constexpr = 32 // G
-    kt = tl.arange(0, KT)
-    tn = pid_n * BNT + tl.arange(0, BNT)
-    tile_off = (kt[:, None, None] * tiles_n + tn[None, :, None]) * W32
+    tile_off, s = ring_tiles(pid_n * BNT, tiles_n, KT, BNT, W32, G)
     row_base = w_ptr + (pid_k * KT).to(tl.int64) * tiles_n * W32
-    w = ring_operand(row_base, tile_off, tl.arange(0, S)[None, None, :], KT, BNT, KA, HALF, W32 // S, W32, G, CODEBOOK)
+    w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK)
     rows = pid_k * KT * 16 + ring_rows(tl.arange(0, 16 * KT))
     cols = pid_n * BNT * 16 + ring_cols(tl.arange(0, 16 * BNT))
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * (tiles_n * 16) + cols[None, :], w)
+
+
+def rate_constants(bits: float, codebook: str) -> dict:
+    """The compile-time constants every ring kernel specialises on: KA (integer bits), HALF (a .5 rate),
+    W32 (int32 words per tile), G (lanes per super-lane), CODEBOOK (id)."""
+    return dict(KA=int(bits), HALF=bits != int(bits), W32=round(8 * bits), G=lanes_per_superlane(bits),
+                CODEBOOK=CODEBOOK_ID[codebook])
 
 
 def words(trellis: torch.Tensor) -> torch.Tensor:
@@ -225,12 +239,10 @@ def words(trellis: torch.Tensor) -> torch.Tensor:
 def decode_dense(trellis: torch.Tensor, bits: float, codebook: str) -> torch.Tensor:
     """Ŵ, fp16 (k, n), bit-identical to reference.decode_trellis: the ring decode every kernel uses, written
     out densely so tests and bench/kernels.py can compare it bit for bit at full shapes."""
-    tiles_k, tiles_n, width = trellis.shape
-    size_k, size_n = tiles_k * 16, tiles_n * 16
-    out = torch.empty(size_k, size_n, dtype=torch.float16, device=trellis.device)
+    tiles_k, tiles_n, _ = trellis.shape
+    out = torch.empty(tiles_k * 16, tiles_n * 16, dtype=torch.float16, device=trellis.device)
     kt, bnt = 4, 8  # EXL3 dims are multiples of 128: 8 tiles
     _decode_dense_kernel[(tiles_n // bnt, tiles_k // kt)](
-        words(trellis), out, tiles_n, KA=int(bits), HALF=bits != int(bits), W32=width // 2,
-        G=lanes_per_superlane(bits), CODEBOOK=CODEBOOK_ID[codebook], KT=kt, BNT=bnt,
+        words(trellis), out, tiles_n, **rate_constants(bits, codebook), KT=kt, BNT=bnt,
     )
     return out

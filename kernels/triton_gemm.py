@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from exl3local.kernels.hadamard import HADAMARD_SCALE
-from exl3local.kernels.triton_decode import CODEBOOK_ID, lanes_per_superlane, ring_operand, ring_rows, words
+from exl3local.kernels.triton_decode import rate_constants, ring_operand, ring_rows, ring_tiles, words
 from exl3local.kernels.triton_hadamard import RING_ROWS, hadamard_operands, input_transform, load_hadamard
 
 
@@ -34,19 +34,16 @@ def _right_reconstruct_kernel(w_ptr, had_ptr, svh_ptr, out_ptr, tiles_n, tk_per_
     """W_r = fp16(fp16(Ŵ·Hn)⊙svh) for 128 columns × tk_per_program tile rows, KT tile rows per dot."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    S: tl.constexpr = 32 // G
     i = tl.arange(0, 128)
     cols = pid_n * 128 + i
     h_right = load_hadamard(had_ptr, RING_ROWS)
     svh = tl.load(svh_ptr + cols).to(tl.float32)[None, :]
-    kt = tl.arange(0, KT)
-    tile_off = (kt[:, None, None] * tiles_n + pid_n * 8 + tl.arange(0, 8)[None, :, None]) * W32
-    s = tl.arange(0, S)[None, None, :]
+    tile_off, s = ring_tiles(pid_n * 8, tiles_n, KT, 8, W32, G)
     tk = pid_k * tk_per_program
     row_base = w_ptr + tk.to(tl.int64) * tiles_n * W32
     out_rows = out_ptr + (tk * 16 + ring_rows(tl.arange(0, 16 * KT))).to(tl.int64)[:, None] * (tiles_n * 16) + cols[None, :]
     for _ in range(0, tk_per_program, KT):
-        w_hat = ring_operand(row_base, tile_off, s, KT, 8, KA, HALF, W32 // S, W32, G, CODEBOOK)
+        w_hat = ring_operand(row_base, tile_off, s, KT, 8, KA, HALF, W32, G, CODEBOOK)
         right = (tl.dot(w_hat, h_right) * SCALE).to(tl.float16)
         tl.store(out_rows, (right.to(tl.float32) * svh).to(tl.float16))
         row_base += KT * tiles_n * W32
@@ -59,20 +56,19 @@ def right_reconstruct(trellis: torch.Tensor, svh: torch.Tensor, bits: float, cod
 
     32 tile rows per program (4 per dot) ran best on the H200 (147 µs at 5120x17408 vs 205 with 8;
     docs/perf/h200-v3b-sweep.log); smaller counts serve k not divisible by 512."""
-    tiles_k, tiles_n, width = trellis.shape
+    tiles_k, tiles_n, _ = trellis.shape
     if tile_rows_per_program is None:
         tile_rows_per_program = next(rows for rows in (32, 16, 8) if tiles_k % rows == 0)
     w = torch.empty(tiles_k * 16, tiles_n * 16, dtype=torch.float16, device=trellis.device)
     _right_reconstruct_kernel[(tiles_n // 8, tiles_k // tile_rows_per_program)](
-        words(trellis), hadamard_operands(trellis.device), svh, w, tiles_n, tile_rows_per_program, KA=int(bits),
-        HALF=bits != int(bits), W32=width // 2, G=lanes_per_superlane(bits), CODEBOOK=CODEBOOK_ID[codebook],
-        SCALE=HADAMARD_SCALE, KT=block_kt, num_warps=num_warps,
+        words(trellis), hadamard_operands(trellis.device), svh, w, tiles_n, tile_rows_per_program,
+        **rate_constants(bits, codebook), SCALE=HADAMARD_SCALE, KT=block_kt, num_warps=num_warps,
     )
     return w
 
 
 def reconstruct_gemm(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-                           bits: float, codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bits: float, codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = H(x⊙suh)·W_r (+ bias): the input transform on the activations, one Hadamard in the weight."""
     y = input_transform(x2d, suh) @ right_reconstruct(trellis, svh, bits, codebook)
     if bias is not None:

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from exl3local.kernels.triton_decode import (
-    CODEBOOK_ID, decode_state, lanes_per_superlane, ring_cols, ring_operand, ring_rows, ring_state, words,
+    decode_state, lanes_per_superlane, rate_constants, ring_cols, ring_operand, ring_rows, ring_state, ring_tiles,
+    words,
 )
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
 
@@ -144,8 +145,6 @@ def exl3_ring_dot_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, tk_pe
                          CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr,
                          BM: tl.constexpr, BNT: tl.constexpr, KT: tl.constexpr):
     """z[split] = u · Ŵ over one K split, BM rows × 16·BNT columns per program (MoE: one unit, row 0)."""
-    S: tl.constexpr = 32 // G
-    WPS: tl.constexpr = W32 // S
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -160,16 +159,13 @@ def exl3_ring_dot_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, tk_pe
     # The operand is in ring order: activations are loaded, and results stored, through the same maps.
     k_rows = ring_rows(tl.arange(0, 16 * KT))
     cols = pid_n * 16 * BNT + ring_cols(tl.arange(0, 16 * BNT))
-    kt = tl.arange(0, KT)
-    tn = pid_n * BNT + tl.arange(0, BNT)
-    tile_off = (kt[:, None, None] * tiles_n + tn[None, :, None]) * W32
-    s = tl.arange(0, S)[None, None, :]
+    tile_off, s = ring_tiles(pid_n * BNT, tiles_n, KT, BNT, W32, G)
     tk_start = pid_s * tk_per_split
     row_base = w_base + tk_start.to(tl.int64) * tiles_n * W32
     u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk_start * 16 + k_rows[None, :]
     acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
     for _ in range(0, tk_per_split, KT):
-        w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, WPS, W32, G, CODEBOOK)
+        w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK)
         u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
         acc = tl.dot(u, w, acc)
         row_base += KT * tiles_n * W32
@@ -186,7 +182,7 @@ def ring_dot_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codeb
     num_stages 1 (word loads straight to registers) beat Triton's cp.async double buffer at every rate
     measured: 16 rows at 5120x17408, K4 89.7 vs 95.3 µs, K6 129 vs 153, K8 149 vs 197 (h200-v3c-bench.log)."""
     rows, size_k = u.shape
-    tiles_n, width = trellis.shape[-2], trellis.shape[-1]
+    tiles_n = trellis.shape[-2]
     tiles_k = size_k // 16
     if tiles_n % block_nt or tiles_k % block_kt:
         raise ValueError(f"ring dot blocks ({block_kt}x{block_nt} tiles) must divide the {tiles_k}x{tiles_n} tiles")
@@ -198,9 +194,8 @@ def ring_dot_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codeb
     expert_words = trellis[0].numel() // 2 if ids is not None else 0
     exl3_ring_dot_kernel[(n_blocks, splits, m_blocks)](
         u, words(trellis), ids if ids is not None else u, z,
-        rows, size_k, tiles_n, tiles_k // splits, expert_words, z.stride(0),
-        KA=int(bits), HALF=bits != int(bits), W32=width // 2, G=lanes_per_superlane(bits),
-        CODEBOOK=CODEBOOK_ID[codebook], HAS_IDS=ids is not None, BM=block_m, BNT=block_nt, KT=block_kt,
+        rows, size_k, tiles_n, tiles_k // splits, expert_words, z.stride(0), **rate_constants(bits, codebook),
+        HAS_IDS=ids is not None, BM=block_m, BNT=block_nt, KT=block_kt,
         num_warps=num_warps, num_stages=num_stages,
     )
     return z
@@ -220,7 +215,7 @@ def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook:
                   splits: int | None = None, ids: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
     """z partials (splits, rows, n) fp32 of u · Ŵ through the ring-order kernel."""
     rows, size_k = u.shape
-    tiles_n, width = trellis.shape[-2], trellis.shape[-1]
+    tiles_n = trellis.shape[-2]
     tiles_k = size_k // 16
     m_blocks = triton.cdiv(rows, block_m)
     n_blocks = triton.cdiv(tiles_n, block_nt)
@@ -228,12 +223,10 @@ def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook:
         splits = choose_splits(m_blocks * n_blocks, tiles_k, u.device)
     z = torch.empty(splits, rows, tiles_n * 16, dtype=torch.float32, device=u.device)
     expert_words = trellis[0].numel() // 2 if ids is not None else 0
-    half = bits not in (1, 2, 3, 4, 5, 6, 7, 8)
     exl3_gemv_ring_kernel[(n_blocks, splits, m_blocks)](
         u, words(trellis), ids if ids is not None else u, z,
         rows, size_k, tiles_n, tiles_k // splits, expert_words, z.stride(0),
-        KA=int(bits), HALF=half, W32=width // 2, G=lanes_per_superlane(bits), CODEBOOK=CODEBOOK_ID[codebook],
-        HAS_IDS=ids is not None, BM=block_m, BNT=block_nt, num_warps=num_warps,
+        **rate_constants(bits, codebook), HAS_IDS=ids is not None, BM=block_m, BNT=block_nt, num_warps=num_warps,
     )
     return z
 

@@ -44,8 +44,7 @@ def main() -> None:
                          BM=triton_hadamard.OUTPUT_ROWS_PER_PROGRAM))
     # one rate per super-lane width G (1, 2, 4, 8) and every codebook
     for codebook, bits in (("mul1", 4), ("3inst", 2), ("mcg", 3), ("mul1", 2.5)):
-        rate = dict(KA=int(bits), HALF=bits != int(bits), W32=round(8 * bits), G=triton_decode.lanes_per_superlane(bits),
-                    CODEBOOK=triton_decode.CODEBOOK_ID[codebook])
+        rate = triton_decode.rate_constants(bits, codebook)
         block_nt, block_kt, warps = triton_gemv.ring_dot_config(bits)
         for block_m, has_ids in ((16, False), (64, False), (16, True)):
             compile_one(triton_gemv.exl3_ring_dot_kernel, MATMUL_ARGS,
