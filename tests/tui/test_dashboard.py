@@ -38,7 +38,8 @@ async def test_ready_panels_show_the_recorded_numbers(wait_until, step_clock, st
     seen: list = []
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S, clock=step_clock)
     async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
-        await wait_until(pilot, lambda: any(isinstance(m, MetricsUpdated) for m in seen))
+        # the worker's first round ends with the log fetch; polling before that would race it
+        await wait_until(pilot, lambda: any(isinstance(m, LogsAppended) for m in seen))
         for _ in range(3):
             await app.poll_once()
         await pilot.pause()

@@ -3,6 +3,8 @@ Update after an intended change with `pytest tests/tui --snapshot-update` and lo
 
 from __future__ import annotations
 
+from textual.widgets import Log
+
 from exl3local.tui.app import make_dashboard
 from exl3local.tui.widgets.throughput import ThroughputPanel
 from exl3local.tui.widgets.engine import EnginePanel
@@ -32,7 +34,9 @@ def test_ready_under_load(snap_compare, stub_daemon, step_clock, wait_until):
     async def play_the_recording(pilot):
         await composed(pilot, wait_until)
         panel = app.query_one(ThroughputPanel)
-        await wait_until(pilot, lambda: panel.snapshot is not None)
+        log = app.query_one("#log-tail", Log)
+        # the worker's first round ends with the log fetch; polling before that would race it
+        await wait_until(pilot, lambda: panel.snapshot is not None and log.line_count > 0)
         for _ in range(8):  # the 9 recorded scrapes, 2 s apart on the step clock
             await app.poll_once()
             await pilot.pause()
