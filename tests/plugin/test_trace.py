@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 from exl3local.plugin import trace
 
@@ -47,18 +48,22 @@ def test_reader_skips_dead_processes_and_sees_live_counts_from_another_process(t
         from exl3local.plugin import trace
         trace.count("reference", 3)
         trace.count("reference", 3)
-        time.sleep(1.2)  # the flusher thread rewrites the file within 0.5 s
         print("counted", flush=True)
-        time.sleep(30)
+        time.sleep(60)
         """
     )
     env = {**os.environ, "EXL3LOCAL_TRACE_DIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-P", "-c", child], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "counted"
-        snaps = trace.read_all(tmp_path)
+        # The first count writes the file at once; the second reaches it only through the flusher thread
+        # (every 0.5 s; a loaded CI machine may take longer, so poll rather than sleep a fixed time).
+        expected = {"reference": {"calls": 2, "tokens": 6}}
+        deadline = time.monotonic() + 20
+        while trace.totals(snaps := trace.read_all(tmp_path)) != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert [s["pid"] for s in snaps] == [proc.pid]
-        assert trace.totals(snaps) == {"reference": {"calls": 2, "tokens": 6}}
+        assert trace.totals(snaps) == expected
         assert len(trace.read_all(tmp_path, live_only=False)) == 2
     finally:
         proc.kill()
