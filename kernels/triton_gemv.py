@@ -72,9 +72,9 @@ def choose_splits(blocks: int, k_steps: int, device: torch.device) -> int:
 
 
 @triton.jit
-def exl3_gemv_ring_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, tk_per_split, expert_words, stride_zs,
+def exl3_gemv_ring_kernel(u_ptr, w_ptr, z_ptr, M, size_k, tiles_n, tk_per_split, stride_zs,
                           KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
-                          CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, BM: tl.constexpr, BNT: tl.constexpr):
+                          CODEBOOK: tl.constexpr, BM: tl.constexpr, BNT: tl.constexpr):
     S: tl.constexpr = 32 // G
     WPS: tl.constexpr = W32 // S
     pid_n = tl.program_id(0)
@@ -86,16 +86,13 @@ def exl3_gemv_ring_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, tk_p
     mask_n = tn < tiles_n
     s = tl.arange(0, S)
     tile_col = tn * W32
-    w_base = w_ptr
-    if HAS_IDS:  # MoE: one unit per program (BM == 1), its expert's trellis
-        w_base += tl.load(ids_ptr + pid_m).to(tl.int64) * expert_words
     u_rows = u_ptr + rm.to(tl.int64)[:, None] * size_k
     acc00 = tl.zeros((BM, BNT, S), dtype=tl.float32)
     acc01 = tl.zeros((BM, BNT, S), dtype=tl.float32)
     acc10 = tl.zeros((BM, BNT, S), dtype=tl.float32)
     acc11 = tl.zeros((BM, BNT, S), dtype=tl.float32)
     tk_start = pid_s * tk_per_split
-    row_base = w_base + tk_start.to(tl.int64) * tiles_n * W32
+    row_base = w_ptr + tk_start.to(tl.int64) * tiles_n * W32
     u_tile = u_rows + tk_start * 16
     for _ in range(tk_per_split):
         for g in tl.static_range(G):
@@ -212,7 +209,7 @@ def ring_config(rows: int, bits: float) -> tuple[int, int]:
 
 
 def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook: str, block_m: int, block_nt: int,
-                  splits: int | None = None, ids: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                  splits: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """z partials (splits, rows, n) fp32 of u · Ŵ through the ring-order kernel."""
     rows, size_k = u.shape
     tiles_n = trellis.shape[-2]
@@ -222,11 +219,9 @@ def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook:
     if splits is None:
         splits = choose_splits(m_blocks * n_blocks, tiles_k, u.device)
     z = torch.empty(splits, rows, tiles_n * 16, dtype=torch.float32, device=u.device)
-    expert_words = trellis[0].numel() // 2 if ids is not None else 0
     exl3_gemv_ring_kernel[(n_blocks, splits, m_blocks)](
-        u, words(trellis), ids if ids is not None else u, z,
-        rows, size_k, tiles_n, tiles_k // splits, expert_words, z.stride(0),
-        **rate_constants(bits, codebook), HAS_IDS=ids is not None, BM=block_m, BNT=block_nt, num_warps=num_warps,
+        u, words(trellis), z, rows, size_k, tiles_n, tiles_k // splits, z.stride(0),
+        **rate_constants(bits, codebook), BM=block_m, BNT=block_nt, num_warps=num_warps,
     )
     return z
 

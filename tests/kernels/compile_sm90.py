@@ -18,6 +18,7 @@ from exl3local.kernels.hadamard import HADAMARD_SCALE
 TARGET = GPUTarget("cuda", 90, 32)
 MATMUL_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "ids_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32",
                "tiles_n": "i32", "tk_per_split": "i32", "expert_words": "i32", "stride_zs": "i32"}
+FMA_ARGS = {name: kind for name, kind in MATMUL_ARGS.items() if name not in ("ids_ptr", "expert_words")}
 
 
 def compile_one(fn, args: dict[str, str], constants: dict, **options) -> None:
@@ -50,7 +51,7 @@ def main() -> None:
             compile_one(triton_gemv.exl3_ring_dot_kernel, MATMUL_ARGS,
                         dict(rate, HAS_IDS=has_ids, BM=block_m, BNT=block_nt, KT=block_kt), num_warps=warps)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
-        compile_one(triton_gemv.exl3_gemv_ring_kernel, MATMUL_ARGS, dict(rate, HAS_IDS=False, BM=block_m, BNT=block_nt))
+        compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS, dict(rate, BM=block_m, BNT=block_nt))
         compile_one(triton_gemm._right_reconstruct_kernel,
                     {"w_ptr": "*i32", "had_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "tiles_n": "i32",
                      "tk_per_program": "i32"}, dict(rate, SCALE=HADAMARD_SCALE, KT=4))
