@@ -1,0 +1,102 @@
+"""Compile every Triton kernel ahead of time for a real GPU target, no GPU needed:
+
+    python -P compile_kernels.py cuda   sm_90 with the installed Triton's CUDA backend (ptxas ships in the wheel)
+    python -P compile_kernels.py xpu    SPIR-V with Intel's XPU backend (the `triton-xpu` package that
+                                        scripts/setup puts in .venv/triton-xpu; run with it first on PYTHONPATH)
+
+The interpreter accepts code that a compiler refuses (e.g. module-level ints read inside a kernel), and a
+construct Intel's backend does not lower would only show on Arc, so CI compiles for both. A kernel with a
+`tl.dot` must also get the target's matrix-unit layout (NVIDIA mma, Intel DPAS): a dot lowered to plain FMAs
+would be a silent slow path. Run with TRITON_INTERPRET unset (under the interpreter `triton.jit` returns
+objects that cannot be compiled). Exits 1 naming the first kernel that fails.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from exl3local.kernels import triton_decode, triton_gemm, triton_gemv, triton_hadamard
+from exl3local.kernels.hadamard import HADAMARD_SCALE
+
+# What an Xe2 GPU (Arc B-series, Arc 140V) reports to Intel's backend: 16-wide sub-groups, DPAS, 2D block IO
+# (../shared/docs/arc-platform.md §5.5). No device is queried; `architecture` 0 means "unknown".
+XE2_PROPERTIES = dict(name="Intel Arc (Xe2, offline)", architecture=0, sub_group_sizes=[16, 32],
+                      max_work_group_size=1024, max_num_sub_groups=64, has_fp64=False,
+                      has_subgroup_matrix_multiply_accumulate=True,
+                      has_subgroup_matrix_multiply_accumulate_tensor_float32=False,
+                      has_subgroup_2d_block_io=True, has_bfloat16_conversions=True)
+TARGETS = {"cuda": GPUTarget("cuda", 90, 32), "xpu": GPUTarget("xpu", XE2_PROPERTIES, 16)}
+MATRIX_LAYOUT = {"cuda": "#ttg.nvidia_mma<", "xpu": "#triton_intel_gpu.dpas<"}
+DOT_OPS = ("tt.dot ", "ttng.warp_group_dot ")  # Hopper's wgmma form replaces tt.dot for 64-row tiles
+MATMUL_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "ids_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32",
+               "tiles_n": "i32", "tk_per_split": "i32", "expert_words": "i32", "stride_zs": "i32"}
+FMA_ARGS = {name: kind for name, kind in MATMUL_ARGS.items() if name not in ("ids_ptr", "expert_words")}
+BACKEND = ["cuda"]
+
+
+def offline_intel_backend() -> None:
+    """Intel's backend builds a C++ helper against the SYCL runtime only to name the device's architecture
+    for `ocloc` queries; with no device (architecture 0) that name is empty, so give it that directly."""
+    from triton.backends import backends
+
+    class NoDeviceArch:
+        @staticmethod
+        def parse_device_arch(architecture: int) -> str:
+            return ""
+
+    backends["intel"].compiler.__init__.__globals__["compile_module_from_src"] = lambda *args, **kwargs: NoDeviceArch
+
+
+def compile_one(fn, args: dict[str, str], constants: dict, **options) -> None:
+    signature = dict(args, **{name: "constexpr" for name in constants})
+    try:
+        kernel = triton.compile(ASTSource(fn, signature, constants), target=TARGETS[BACKEND[0]], options=options)
+    except Exception as exc:  # noqa: BLE001 -- report which kernel and specialisation failed, then stop
+        print(f"FAILED {fn.__name__} {constants}: {type(exc).__name__}: {exc}")
+        sys.exit(1)
+    ttgir = kernel.asm["ttgir"]
+    has_dot = any(op in ttgir for op in DOT_OPS)
+    if has_dot and MATRIX_LAYOUT[BACKEND[0]] not in ttgir:
+        print(f"FAILED {fn.__name__} {constants}: its tl.dot did not get the {MATRIX_LAYOUT[BACKEND[0]]} layout")
+        sys.exit(1)
+    print(f"ok {fn.__name__} {constants}" + (" (matrix units)" if has_dot else ""))
+
+
+def main() -> None:
+    compile_one(triton_hadamard._hadamard_operands_kernel, {"out_ptr": "*fp16"}, {})
+    for has_ids in (False, True):
+        compile_one(triton_hadamard._input_kernel,
+                    {"x_ptr": "*bf16", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
+                     "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32"},
+                    dict(HAS_IDS=has_ids, SCALE=HADAMARD_SCALE, BM=16))
+        compile_one(triton_hadamard._output_kernel,
+                    {"z_ptr": "*fp32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i32", "y_ptr": "*fp16",
+                     "M": "i32", "size_n": "i32", "splits": "i32", "stride_zs": "i32"},
+                    dict(HAS_IDS=has_ids, HAS_BIAS=True, SCALE=HADAMARD_SCALE,
+                         BM=triton_hadamard.OUTPUT_ROWS_PER_PROGRAM))
+    # one rate per super-lane width G (1, 2, 4, 8) and every codebook
+    for codebook, bits in (("mul1", 4), ("3inst", 2), ("mcg", 3), ("mul1", 2.5)):
+        rate = triton_decode.rate_constants(bits, codebook)
+        block_nt, block_kt, warps = triton_gemv.ring_dot_config(bits)
+        for block_m, has_ids in ((16, False), (64, False), (16, True)):
+            compile_one(triton_gemv.exl3_ring_dot_kernel, MATMUL_ARGS,
+                        dict(rate, HAS_IDS=has_ids, BM=block_m, BNT=block_nt, KT=block_kt), num_warps=warps)
+        block_m, block_nt = triton_gemv.ring_config(1, bits)
+        compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS, dict(rate, BM=block_m, BNT=block_nt))
+        compile_one(triton_gemm._right_reconstruct_kernel,
+                    {"w_ptr": "*i32", "had_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "tiles_n": "i32",
+                     "tk_per_program": "i32"}, dict(rate, SCALE=HADAMARD_SCALE, KT=4))
+        compile_one(triton_decode._decode_dense_kernel, {"w_ptr": "*i32", "out_ptr": "*fp16", "tiles_n": "i32"},
+                    dict(rate, KT=4, BNT=8))
+
+
+if __name__ == "__main__":
+    BACKEND[0] = sys.argv[1]
+    print(f"Triton {triton.__version__} ({triton.__file__}), target {TARGETS[BACKEND[0]]}")
+    if BACKEND[0] == "xpu":
+        offline_intel_backend()
+    main()
