@@ -1,9 +1,9 @@
-"""A few launches of the ring-order dot kernel, for Nsight Compute (docs/PERF.md, "v3 profile"):
+"""Three launches of the ring-order dot kernel (mul1), for Nsight Compute (docs/PERF.md, "What would close it"):
 
-    ncu --clock-control none --kernel-name regex:exl3_ring_dot --launch-skip 1 --launch-count 1 \
+    ncu --clock-control none --kernel-name regex:exl3_ring_dot --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight ... python3 -P bench/profile_ring_dot.py [SIZE_K SIZE_N BITS ROWS]
 
-The first launch compiles; ncu profiles a later one. Also prints the kernel's relative error against the
+The first launch compiles; ncu profiles the last. Also prints the kernel's relative error against the
 fp32 reference on the decoded weight, so a profile of a wrong kernel is not mistaken for a result.
 """
 
@@ -21,7 +21,9 @@ from kernels import make_layer, rel  # noqa: E402  (bench/kernels.py, beside thi
 
 
 def main() -> None:
-    size_k, size_n, bits, rows = (int(a) for a in sys.argv[1:5]) if len(sys.argv) > 4 else (5120, 17408, 4, 16)
+    size_k, size_n, bits, rows = (float(a) for a in sys.argv[1:5]) if len(sys.argv) > 4 else (5120, 17408, 4, 16)
+    size_k, size_n, rows = int(size_k), int(size_n), int(rows)
+    bits = int(bits) if float(bits).is_integer() else bits  # 2.5, 3.5: the half-integer rates
     trellis, _, _ = make_layer(size_k, size_n, bits, "mul1", seed=1)
     u = torch.randn(rows, size_k, device="cuda").half()
     block_nt, block_kt, warps = ring_dot_config(bits)
