@@ -280,10 +280,6 @@ def bench_stages(shapes) -> None:
             log(f"{k}x{n} mul1 K{bits}: " + ", ".join(f"{key} {us:.1f}" for key, us in variants.items()))
 
 
-def triton_cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
     log("\n== prefill / crossover ==")
     log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>5} | {'gemv':>8} {'fused':>8} "
@@ -301,7 +297,7 @@ def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
                     row = dict(kind="prefill", k=k, n=n, codebook=cb, bits=bits, m=m,
                                fused_us=timed(lambda: reconstruct_gemm(x, trellis, suh, svh, bits, cb)),
                                torch_us=timed(lambda: x @ w16))
-                    if m <= 128:  # one row tile decoded on chip (the dispatch's GEMM path up to 64 rows)
+                    if m <= 128:  # row tiles decoded on chip (gemv with 32/64-row tiles), vs the reconstruct path
                         row["gemv_us"] = timed(lambda: gemv(x, trellis, suh, svh, bits, cb))
                     if lin is not None:
                         row["exl3_us"] = timed(lambda: lin.forward(x, {}))

@@ -9,8 +9,8 @@ on the H200 (docs/perf/h200-v3b-sweep.log).
 Ŵ is decoded in ring order (triton_decode.ring_operand); the Hadamard operand is taken at the ring's
 column indices (triton_hadamard.hadamard_operands, loaded from memory: computing its signs per block was
 two thirds of the earlier kernel's instructions) and rows are stored through ring_rows, so W_r lands in
-natural order with no shuffle of Ŵ. (Row tiles decoded on chip per tile, triton_gemv with 17..64 rows,
-serve the rows between decode and prefill.)
+natural order with no shuffle of Ŵ. The dispatch sends every call of more than GEMV_MAX_ROWS rows here:
+row tiles decoded on chip (triton_gemv with 32/64-row tiles) lost to this path at every M >= 32 measured.
 
 Layouts: trellis int16 (k/16, n/16, 16*bits) as stored (read as int32 words); W_r fp16 (k, n) row-major;
 x (rows, k); y (rows, n) in x's dtype.

@@ -113,7 +113,6 @@ def test_taken_port_is_refused_naming_the_port(box, tiny_models):
 
 
 def test_second_up_on_another_port_moves_the_engine(box, tiny_models):
-
     assert box.cli("up", str(tiny_models[TINY])).returncode == 0
     port = free_port()
     up = box.cli("up", str(tiny_models[TINY]), "--port", str(port))

@@ -3,7 +3,6 @@ a few requests its generation-token counter and kernel-path counts match what th
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 
