@@ -51,7 +51,7 @@ class Box:
 
     def cli(self, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-P", "-m", "exl3local", *args], env={**self.env, **env},
-                              capture_output=True, text=True, timeout=timeout, cwd=self.root)
+                              capture_output=True, text=True, timeout=timeout, cwd=self.root, stdin=subprocess.DEVNULL)
 
     def popen(self, *args: str, **env: str) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "exl3local", *args], env={**self.env, **env},
@@ -74,13 +74,14 @@ class Box:
 
 def make_box(root: Path, engine_script: Path | None = None) -> Box:
     """A private user under `root`; with `engine_script`, that Python file stands in for vLLM."""
-    for d in ("state", "config", "cache", "run", "tmp", "nosys"):
+    for d in ("state", "config", "cache", "data", "run", "tmp", "nosys"):
         (root / d).mkdir(mode=0o700)
     daemon_port, engine_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EXL3LOCAL_", "XDG_"))}
     env.update({
         "XDG_STATE_HOME": str(root / "state"), "XDG_CONFIG_HOME": str(root / "config"),
-        "XDG_CACHE_HOME": str(root / "cache"), "XDG_RUNTIME_DIR": str(root / "run"), "TMPDIR": str(root / "tmp"),
+        "XDG_CACHE_HOME": str(root / "cache"), "XDG_DATA_HOME": str(root / "data"), "XDG_RUNTIME_DIR": str(root / "run"),
+        "TMPDIR": str(root / "tmp"),
         "EXL3LOCAL_HOST": f"127.0.0.1:{daemon_port}", "EXL3LOCAL_ENGINE_PORT": str(engine_port),
         "EXL3LOCAL_SYSFS": str(root / "nosys"),
         "STANDIN_LOG": str(root / "engines.log"), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
