@@ -425,7 +425,8 @@ def _check_engine(python: str) -> tuple[bool, str]:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from exl3local import api, budget, daemon, env, hardware, manifest, paths, profiles
+    from exl3local import api, daemon, env, hardware, manifest, paths, profiles
+    from exl3local.machine import budget
     from exl3local.errors import DaemonUnavailable, Exl3Error
 
     results: list[tuple[bool | None, str, str]] = []

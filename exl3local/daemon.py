@@ -31,7 +31,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
-from exl3local import __version__, engine_stats, env, errors, hardware, launch, paths
+from exl3local import __version__, engine_stats, env, errors, hardware, paths
+from exl3local.engine import launch
 from exl3local.api import API_VERSION, PREFIX, TOKEN_HEADER, error_to_json
 from exl3local.supervisor import EngineState, Policy, Supervisor, end_group, group_alive
 
@@ -199,7 +200,8 @@ def resolve_model(model: str | None, demo: bool, profile: Any) -> tuple[Path, st
 
 def plan(req: UpRequest, *, sysfs_root: Path, mem: Any = None, python: str | None = None,
          check_port: Callable[[str, int], bool] = port_free) -> Plan:
-    from exl3local import budget, manifest, profiles
+    from exl3local import manifest, profiles
+    from exl3local.machine import budget
 
     gpus = hardware.probe(sysfs_root)
     gpu, gpu_why = hardware.choose(gpus)

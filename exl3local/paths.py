@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import os
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 import platformdirs
 
 APP = "exl3local"
+
+
+def bundled(*parts: str) -> Path:
+    """A file shipped inside the package (the demo model, the fallback chat template), found through
+    the package rather than beside a module file, so modules can move between subpackages."""
+    return Path(str(resources.files("exl3local").joinpath(*parts)))
 
 
 def _ensure(path: Path) -> Path:

@@ -343,7 +343,7 @@ def _machine(profile_id: str | None = None, overrides: Mapping[str, str] | None 
 
 
 def _fit_check(gpu: Any, profile: Any) -> Callable[[Manifest], None]:
-    from exl3local import budget
+    from exl3local.machine import budget
 
     def check(manifest: Manifest) -> None:
         budget.compute(gpu, budget.MemorySnapshot.now(), manifest, profile)

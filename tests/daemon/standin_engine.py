@@ -18,7 +18,7 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from exl3local import launch
+from exl3local.engine import launch
 
 
 def main() -> None:

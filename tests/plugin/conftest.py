@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exl3local import launch
+from exl3local.engine import launch
 
 from private_user import free_port
 
@@ -45,7 +45,7 @@ class Server:
         vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
         self.vocab_size = vocab
         self.argv = [
-            sys.executable, "-P", "-m", "exl3local.launch", "serve", str(model),
+            sys.executable, "-P", "-m", "exl3local.engine.launch", "serve", str(model),
             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.name,
             "--quantization", "exl3", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
             "--kv-cache-memory-bytes", KV_BYTES, "--max-logprobs", str(vocab),

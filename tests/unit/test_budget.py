@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from exl3local import budget, hardware, manifest, profiles
-from exl3local.budget import MemorySnapshot
+from exl3local import hardware, manifest, profiles
+from exl3local.machine import budget
+from exl3local.machine.budget import MemorySnapshot
 from exl3local.errors import BudgetError
 
 GiB = 2**30

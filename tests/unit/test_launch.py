@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from exl3local import budget, hardware, launch, manifest, profiles
+from exl3local import hardware, manifest, profiles
+from exl3local.engine import launch
+from exl3local.machine import budget
 
 
 def _spec(tiny_models, tmp_path, profile_id="cpu", **kw):
@@ -19,7 +21,7 @@ def _spec(tiny_models, tmp_path, profile_id="cpu", **kw):
 def test_cpu_spec_runs_our_launcher_on_loopback_with_a_pinned_kv(tiny_models, tmp_path):
     spec, bud = _spec(tiny_models, tmp_path)
     argv = list(spec.argv)
-    assert argv[:5] == [sys.executable, "-P", "-m", "exl3local.launch", "serve"]
+    assert argv[:5] == [sys.executable, "-P", "-m", "exl3local.engine.launch", "serve"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "18123"
     assert argv[argv.index("--quantization") + 1] == "exl3"
     assert argv[argv.index("--disable-access-log-for-endpoints") + 1] == "/health,/metrics"

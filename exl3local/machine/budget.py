@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from exl3local.errors import BudgetError
+# Multimodal configs (Qwen3.5) nest the language model under text_config; the manifest owns that rule.
+from exl3local.manifest import _text_config
 
 GiB = 2**30
 # Bytes per KV element by --kv-cache-dtype; "auto" follows the model dtype.
@@ -57,12 +59,6 @@ class Budget:
 
     def explain(self) -> str:
         return "\n".join(self.lines)
-
-
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal configs (Qwen3.5) nest the language model under text_config."""
-    inner = config.get("text_config")
-    return inner if isinstance(inner, dict) else config
 
 
 def full_attention_layers(config: dict[str, Any]) -> int:

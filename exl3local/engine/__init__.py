@@ -1,0 +1,1 @@
+"""The vLLM engine child process: its command line, its supervision, its log and its numbers."""

@@ -1,0 +1,1 @@
+"""What this machine is (GPUs, memory) and what fits on it."""
