@@ -102,9 +102,11 @@ class Exl3Config(QuantizationConfig):
         self.manifest  # noqa: B018 — read now: a broken checkpoint fails before any process starts
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
-        """vLLM renames some checkpoint prefixes (multimodal wrappers): index the manifest by vLLM names."""
+        """vLLM renames some checkpoint prefixes (multimodal wrappers): index the manifest by vLLM names.
+        Only the renames: stacked maps (Qwen3.5's in_proj_qkv -> in_proj_qkvz) would merge the parts that
+        part_prefixes() must still tell apart, and drops ("mtp.": None) are the loader's business."""
         with self._lock:
-            self._rename = hf_to_vllm_mapper
+            self._rename = hf_to_vllm_mapper.get_rename_mapper()
             self._index = self._dense = None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:

@@ -118,11 +118,7 @@ class Exl3LinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
-        if len(output_partition_sizes) != len(self.groups):
-            raise CheckpointError(
-                self.config._file(), self.prefix, f"{len(output_partition_sizes)} parts for vLLM's layer",
-                f"{len(self.groups)} ({[g.prefix for g in self.groups]})",
-            )
+        spans = self._partition_spans(output_partition_sizes)
         for g in self.groups:
             refuse_packed_signs(g)
         if getattr(layer, "has_bias", False) != any(g.has_bias for g in self.groups):
@@ -131,11 +127,18 @@ class Exl3LinearMethod(LinearMethodBase):
                 f"bias={any(g.has_bias for g in self.groups)} in the checkpoint",
             )
         tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+        if tp_size > 1 and len(spans) != len(output_partition_sizes):
+            raise ConfigError(
+                f"{self.prefix}: tensor parallelism splits each of vLLM's {len(output_partition_sizes)} output parts, "
+                f"but the checkpoint stores them as {len(spans)} EXL3 tensors; a rank's slice of one tensor would not "
+                "be contiguous",
+                hint="serve this model with tensor-parallel size 1",
+            )
         split_in = tp_size > 1 and input_size_per_partition != input_size
         split_out = tp_size > 1 and not split_in and sum(output_partition_sizes) != output_size
         parts, trellis_words, svh_size = [], 0, 0
         k_local = None
-        for i, (group, n_local) in enumerate(zip(self.groups, output_partition_sizes, strict=True)):
+        for i, (group, (_, n_local)) in enumerate(zip(self.groups, spans, strict=True)):
             k_range = split_range(
                 group, "input", input_size_per_partition, group.size_k, tp_rank if split_in else 0,
                 tp_size if split_in else 1,
@@ -154,6 +157,7 @@ class Exl3LinearMethod(LinearMethodBase):
             trellis_words += part.trellis_words
             svh_size += part.size_n
         layer.exl3_parts = parts
+        layer.exl3_part_of_shard = {first: i for i, (first, _) in enumerate(spans)}
         layer.exl3_in_features = input_size_per_partition
         layer.exl3_loaded = set()
 
@@ -178,6 +182,7 @@ class Exl3LinearMethod(LinearMethodBase):
         return load
 
     def _part_index(self, layer: torch.nn.Module, shard_id) -> int:
+        """The part a checkpoint tensor loads into: vLLM names it by the first output shard it covers."""
         n = len(layer.exl3_parts)
         if shard_id is None:
             if n != 1:
@@ -186,14 +191,47 @@ class Exl3LinearMethod(LinearMethodBase):
                 )
             return 0
         if isinstance(shard_id, str):
-            index = {"q": 0, "k": 1, "v": 2}.get(shard_id)
+            first = {"q": 0, "k": 1, "v": 2}.get(shard_id)
         elif isinstance(shard_id, int):
-            index = shard_id
+            first = shard_id
+        elif isinstance(shard_id, tuple) and shard_id:  # one tensor over consecutive shards (in_proj_qkv)
+            first = shard_id[0]
         else:
-            index = None  # a tuple: several parts in one checkpoint tensor, which EXL3 never writes
-        if index is None or not 0 <= index < n:
-            raise CheckpointError(self.config._file(), self.prefix, f"a part index below {n}", repr(shard_id))
+            first = None
+        index = layer.exl3_part_of_shard.get(first)
+        if index is None:
+            raise CheckpointError(
+                self.config._file(), self.prefix, f"a tensor starting at one of shards {sorted(layer.exl3_part_of_shard)}",
+                repr(shard_id),
+            )
         return index
+
+    def _partition_spans(self, output_partition_sizes: list[int]) -> list[tuple[int, int]]:
+        """(first vLLM output shard, output features) per checkpoint group. Mostly one group per shard; some
+        models fuse shards that the checkpoint stores together (Qwen3.5's in_proj_qkv feeds q, k and v)."""
+        if len(output_partition_sizes) == len(self.groups):
+            return [(i, n) for i, n in enumerate(output_partition_sizes)]
+        spans, first = [], 0
+        for g in self.groups:
+            total, end = 0, first
+            while end < len(output_partition_sizes):
+                total += output_partition_sizes[end]
+                end += 1
+                if total == g.unpadded_n or (g.unpadded_n is None and g.size_n - HADAMARD_BLOCK < total <= g.size_n):
+                    break
+            else:
+                end = None
+            if end is None:
+                break
+            spans.append((first, total))
+            first = end
+        if len(spans) != len(self.groups) or first != len(output_partition_sizes):
+            raise CheckpointError(
+                self.config._file(), self.prefix,
+                f"EXL3 tensors covering vLLM's output parts {output_partition_sizes} in order",
+                ", ".join(f"{g.prefix} ({g.unpadded_n or g.size_n} features)" for g in self.groups),
+            )
+        return spans
 
     def _load_part(self, layer, param, kind: str, part: PartLayout, w: torch.Tensor) -> None:
         g = part.group

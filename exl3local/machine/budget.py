@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 from exl3local.errors import BudgetError
 # Multimodal configs (Qwen3.5) nest the language model under text_config; the manifest owns that rule.
-from exl3local.manifest import _text_config
+from exl3local.manifest import text_config
+from exl3local.units import format_gib
 
-GiB = 2**30
 # Bytes per KV element by --kv-cache-dtype; "auto" follows the model dtype.
 KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 MODEL_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -65,7 +65,7 @@ def full_attention_layers(config: dict[str, Any]) -> int:
     """Layers that keep a KV cache. Hybrid models (Qwen3.5/3-Next: Gated DeltaNet + attention)
     list `layer_types` or give `full_attention_interval`; linear-attention layers keep a small
     fixed state per sequence instead, which the engine overhead covers."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     n_layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if isinstance(types, list) and types:
@@ -78,7 +78,7 @@ def full_attention_layers(config: dict[str, Any]) -> int:
 
 def kv_bytes_per_token(config: dict[str, Any], kv_cache_dtype: str = "auto") -> int:
     """K and V for one token over all full-attention layers."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
@@ -91,12 +91,8 @@ def kv_bytes_per_token(config: dict[str, Any], kv_cache_dtype: str = "auto") -> 
 
 
 def model_max_len(config: dict[str, Any]) -> int | None:
-    value = _text_config(config).get("max_position_embeddings")
+    value = text_config(config).get("max_position_embeddings")
     return int(value) if isinstance(value, int) else None
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
 
 
 def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: Any,
@@ -119,11 +115,11 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
     if shared:
         reserve = int(mp["os_reserve_bytes"])
         ram_free = mem.available_bytes - reserve
-        lines.append(f"RAM available now {_gib(mem.available_bytes)} - OS/desktop reserve {_gib(reserve)}"
-                     f" = {_gib(ram_free)}")
+        lines.append(f"RAM available now {format_gib(mem.available_bytes)} - OS/desktop reserve {format_gib(reserve)}"
+                     f" = {format_gib(ram_free)}")
         room = ram_free
         if gpu.kind == "integrated" and gpu.memory_bytes:
-            lines.append(f"iGPU ceiling (80 % of RAM - 450 MB) {_gib(gpu.memory_bytes)}")
+            lines.append(f"iGPU ceiling (80 % of RAM - 450 MB) {format_gib(gpu.memory_bytes)}")
             room = min(room, int(gpu.memory_bytes))
     else:
         if not gpu.memory_bytes:
@@ -134,13 +130,13 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
             )
         util = float(mp["gpu_memory_utilization"])
         room = int(gpu.memory_bytes * util)
-        lines.append(f"device memory {_gib(gpu.memory_bytes)} x utilization {util:.2f} = {_gib(room)}")
+        lines.append(f"device memory {format_gib(gpu.memory_bytes)} x utilization {util:.2f} = {format_gib(room)}")
     headroom = room - weights - overhead
-    lines.append(f"- weights {_gib(weights)} - engine overhead {_gib(overhead)} = KV headroom {_gib(headroom)}")
+    lines.append(f"- weights {format_gib(weights)} - engine overhead {format_gib(overhead)} = KV headroom {format_gib(headroom)}")
 
     need_one = per_token * ctx
     lines.append(f"KV per token {per_token} B ({full_attention_layers(config)} attention layers);"
-                 f" one {ctx}-token sequence needs {_gib(need_one)}")
+                 f" one {ctx}-token sequence needs {format_gib(need_one)}")
     if headroom < need_one:
         shortfall = need_one - headroom
         fit_ctx = max(headroom, 0) // per_token
@@ -154,18 +150,18 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
             hints.append("closing other programs, or a smaller `memory.os_reserve_bytes`")
         hints.append("another profile (`exl3local profile`)")
         raise BudgetError(
-            "the model does not fit: " + "; ".join(lines) + f". Short by {_gib(shortfall)}.",
+            "the model does not fit: " + "; ".join(lines) + f". Short by {format_gib(shortfall)}.",
             hint="try " + ", or ".join(hints),
         )
     kv = headroom
     useful = per_token * ctx * seqs
     if kv > useful:
         kv = useful
-        lines.append(f"capped at {seqs} sequences x {ctx} tokens = {_gib(useful)}")
+        lines.append(f"capped at {seqs} sequences x {ctx} tokens = {format_gib(useful)}")
     cap = mp.get("kv_max_bytes")
     if cap is not None and kv > cap:
         kv = max(int(cap), need_one)
-        lines.append(f"capped by memory.kv_max_bytes at {_gib(kv)}")
+        lines.append(f"capped by memory.kv_max_bytes at {format_gib(kv)}")
     lines.append(f"KV budget {kv} B = {kv // per_token} tokens ({'pinned' if pinned else 'estimate'})")
     return Budget(kv_budget_bytes=int(kv), kv_budget_tokens=int(kv // per_token), kv_bytes_per_token=per_token,
                   max_model_len=ctx, pinned=pinned, lines=tuple(lines))
