@@ -156,9 +156,10 @@ class Exl3Config(QuantizationConfig):
         return name if self._rename is None else self._rename.map_name(name)
 
     def groups(self) -> dict[str, TensorGroup]:
-        """EXL3 tensor groups by vLLM prefix."""
+        """EXL3 tensor groups by vLLM prefix, and by checkpoint prefix where vLLM keeps the name: a draft
+        model (Qwen3.5's MTP head) shares this config but names its layers as the checkpoint does."""
         if self._index is None:
-            index = {}
+            index = dict(self.manifest.quantized)
             for prefix, group in self.manifest.quantized.items():
                 mapped = self._vllm_name(f"{prefix}.trellis")
                 if mapped is not None:
@@ -167,9 +168,9 @@ class Exl3Config(QuantizationConfig):
         return self._index
 
     def dense_tensors(self) -> frozenset[str]:
-        """Unquantized tensor names, as vLLM names them."""
+        """Unquantized tensor names, as vLLM and as the checkpoint names them."""
         if self._dense is None:
-            names = (self._vllm_name(n) for n in self.manifest.unquantized)
+            names = {self._vllm_name(n) for n in self.manifest.unquantized} | set(self.manifest.unquantized)
             self._dense = frozenset(n for n in names if n is not None)
         return self._dense
 
