@@ -1,4 +1,4 @@
-"""The `exl3local` command line. Heavy modules are imported inside each handler."""
+"""The `exl3local` command line: the groups of subcommands (exl3local.commands) and the error exit codes."""
 
 from __future__ import annotations
 
@@ -7,36 +7,20 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from exl3local import control, pull, service, tray
+from exl3local.commands import desktop, engine, machine, models
 from exl3local.errors import Exl3Error
 from exl3local.tui.command import add_dash
 
 Handler = Callable[[argparse.Namespace], int]
 
 
-def _cmd_inspect(args: argparse.Namespace) -> int:
-    from exl3local import manifest
-
-    m = manifest.read(args.path)
-    print(m.to_json() if args.json else m.summary())
-    return 0
-
-
-def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="summarise an EXL3 checkpoint without loading its weights")
-    p.add_argument("path", help="checkpoint directory")
-    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    p.set_defaults(handler=_cmd_inspect)
-
-
-# Each entry adds one subcommand; the owning module keeps its handler beside it.
+# One entry per group of subcommands; each group's module keeps its handlers beside their parsers.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_inspect,
-    pull.add_subcommands,  # pull, list, rm
-    control.add_subcommands,  # up, down, status, logs, profile, doctor, daemon
-    service.add_subcommands,  # service install|uninstall|status
-    tray.add_subcommands,  # tray: status icon + menu ([tray] extra)
-    add_dash,  # dash: the Textual dashboard (exl3local.tui)
+    models.add_subcommands,  # inspect, pull, list, rm
+    engine.add_subcommands,  # up, down, status, logs, daemon
+    machine.add_subcommands,  # profile, doctor
+    desktop.add_subcommands,  # service install|uninstall|status, tray ([tray] extra)
+    add_dash,  # dash: the Textual dashboard (exl3local.tui), which imports textual only when run
 ]
 
 

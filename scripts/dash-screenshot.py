@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from exl3local.api import DaemonClient
+from exl3local.api.client import DaemonClient
 from exl3local.tui.app import make_dashboard
 
 LOAD_S = 25.0

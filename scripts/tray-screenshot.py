@@ -55,8 +55,8 @@ def shoot_menu(conftest, display: str, out: str) -> None:
     from Xlib import X
     from Xlib.ext import xtest
 
-    from exl3local import tray
-    from exl3local.api import DaemonClient
+    from exl3local.api.client import DaemonClient
+    from exl3local.desktop import tray
 
     client = DaemonClient("127.0.0.1:1", transport=httpx.MockTransport(lambda r: httpx.Response(200, json=STATUS)))
     app = tray.TrayApp(client, ["b70", "claw8", "140v", "cpu"], poll_s=0.5)

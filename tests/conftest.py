@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Shared helpers for every test directory (`from private_user import make_box`). Only tests/support goes on
 # the path: tests/ itself holds directories named like packages (kernels, plugin) that must not shadow any.
 sys.path.append(str(Path(__file__).resolve().parent / "support"))
+from sysfs_trees import MACHINES  # noqa: E402 - tests/support is on the path from here on
+
 SHARED = Path(os.environ.get("EXL3LOCAL_SHARED", REPO.parent / "shared"))
 FIXTURES = SHARED / "fixtures"
 TINY_MODELS = ("tiny-llama-exl3-4.0bpw", "tiny-llama-exl3-2.5bpw", "tiny-qwen3moe-exl3-4.0bpw")
@@ -35,3 +37,19 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, fixtures_dir: Path) ->
             tar.extractall(root, filter="data")
         out[name] = root / name
     return out
+
+
+@pytest.fixture
+def machine(tmp_path: Path):
+    """machine("b70") -> the root of a fresh fixture sysfs tree for that machine (tests/support/sysfs_trees.py)."""
+    def build(name: str) -> Path:
+        return MACHINES[name](tmp_path / f"sys-{name}")
+    return build
+
+
+@pytest.fixture
+def xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Private XDG state/config/cache/runtime dirs, so pinned profiles and records stay in the test."""
+    for var in ("XDG_STATE_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_RUNTIME_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    return tmp_path

@@ -22,10 +22,10 @@ from textual.app import App
 from textual.binding import Binding
 from textual.widgets import Log
 
-from exl3local import metrics
-from exl3local.api import AsyncDaemonClient, DaemonStatus
+from exl3local.api import metrics
+from exl3local.api.client import AsyncDaemonClient
+from exl3local.api.protocol import DaemonStatus, EngineState
 from exl3local.errors import EngineError, Exl3Error
-from exl3local.supervisor import EngineState
 from exl3local.tui.messages import DaemonLost, KernelsUpdated, LogsAppended, MetricsUpdated, StatusUpdated
 from exl3local.tui.screens.logs import LogScreen
 from exl3local.tui.screens.main import MainScreen

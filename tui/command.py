@@ -6,7 +6,7 @@ import argparse
 
 
 def _cmd_dash(args: argparse.Namespace) -> int:
-    from exl3local.tui.app import make_dashboard
+    from exl3local.tui.app import make_dashboard  # lazy: imports textual, only `dash` needs it
 
     make_dashboard(args.host, poll_s=args.poll).run()
     return 0

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from exl3local.api import DaemonStatus, KernelCounts
-from exl3local.metrics import MetricsSnapshot
+from exl3local.api.metrics import MetricsSnapshot
+from exl3local.api.protocol import DaemonStatus, KernelCounts
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Real daemon subprocesses on 127.0.0.1 with private XDG dirs, TMPDIR and ports; the engine is
-the stand-in (standin_engine.py) unless a test asks for real vLLM."""
+the stand-in (tests/support/standin_engine.py) unless a test asks for real vLLM."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from private_user import clean_box, make_box
 
-STANDIN_ENGINE = Path(__file__).resolve().parent / "standin_engine.py"
+STANDIN_ENGINE = Path(__file__).resolve().parents[1] / "support" / "standin_engine.py"
 
 
 @pytest.fixture

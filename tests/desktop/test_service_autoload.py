@@ -18,7 +18,7 @@ def test_autoload_asks_the_daemon_for_the_profiles_default_model(stub_daemon):
 
 
 def test_autoload_without_a_daemon_fails_without_hanging(monkeypatch, tmp_path):
-    from exl3local import service
+    from exl3local.desktop import service
     from exl3local.errors import DaemonUnavailable
 
     monkeypatch.setenv("EXL3LOCAL_HOST", "127.0.0.1:9")  # discard port: nothing listens

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from exl3local import tray
+from exl3local.desktop import tray
 
 
 def _rgb(colour: str) -> tuple[int, int, int]:

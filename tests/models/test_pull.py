@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from exl3local import pull as pull_mod
+from exl3local.commands import models as model_commands
+from exl3local.models import hub as hub_mod
+from exl3local.models import store
 from exl3local.errors import BudgetError, CheckpointError, ConfigError, Exl3Error
-from exl3local.pull import ModelRef
+from exl3local.models.store import ModelRef
 
 TINY = "turboderp-test/tiny-llama-exl3"
 PADDED = "turboderp-test/tiny-llama-exl3-padded"  # 27 MB of weights: more than one 10 MiB write chunk
@@ -25,7 +27,7 @@ KNOWN = frozenset({"LlamaForCausalLM", "Qwen3MoeForCausalLM"})
 def _pull(text: str, **kwargs):
     kwargs.setdefault("architectures", lambda: KNOWN)
     kwargs.setdefault("progress", False)
-    return pull_mod.pull(ModelRef.parse(text), **kwargs)
+    return hub_mod.pull(ModelRef.parse(text), **kwargs)
 
 
 def _cdn_gets(hub) -> list:
@@ -75,9 +77,9 @@ def test_pull_pins_the_commit_downloads_each_weight_byte_once_and_records(hub, h
     # every request after the first resolve names the commit, never the branch (no moving target)
     resolves = [e.path for e in hub.log if "/resolve/" in e.path]
     assert resolves and all(f"/resolve/{commit}/" in p for p in resolves)
-    assert (pull_mod.repo_folder(TINY) / "refs" / "4.0bpw").read_text() == commit
-    assert [m.name for m in pull_mod.records()] == [f"{TINY}:4.0bpw"]
-    assert not (pull_mod.repo_folder(TINY) / pull_mod.STAGING_DIR).exists()
+    assert (store.repo_folder(TINY) / "refs" / "4.0bpw").read_text() == commit
+    assert [m.name for m in store.records()] == [f"{TINY}:4.0bpw"]
+    assert not (store.repo_folder(TINY) / hub_mod.STAGING_DIR).exists()
 
 
 def test_second_pull_only_resolves_the_revision(hub, hub_env):
@@ -120,7 +122,7 @@ def test_non_exl3_repo_is_refused_before_any_safetensors_byte(hub, hub_env):
         _pull("other/tiny-llama-bf16")
     assert "exl3" in str(err.value) and "nothing was downloaded" in err.value.hint
     assert _cdn_gets(hub) == []  # not even a header range read
-    assert not pull_mod.repo_folder("other/tiny-llama-bf16").exists()  # nothing written to the cache
+    assert not store.repo_folder("other/tiny-llama-bf16").exists()  # nothing written to the cache
 
 
 @pytest.mark.parametrize(
@@ -133,12 +135,12 @@ def test_corrupt_header_is_refused_from_range_reads_alone(hub, hub_env, repo, sa
     assert says in str(err.value)
     assert hub.weight_bytes_sent(repo) == 0
     assert all(e.range for e in _cdn_gets(hub))  # header reads only
-    assert not pull_mod.repo_folder(repo).exists()
+    assert not store.repo_folder(repo).exists()
 
 
 def test_architecture_unknown_to_the_installed_vllm_is_refused(hub, hub_env):
     with pytest.raises(CheckpointError) as err:
-        _pull("other/tiny-llama-alien-arch", architectures=pull_mod.known_architectures)  # the real registry
+        _pull("other/tiny-llama-alien-arch", architectures=hub_mod.known_architectures)  # the real registry
     assert "NoSuchModelForCausalLM" in str(err.value)
     assert hub.weight_bytes_sent("other/tiny-llama-alien-arch") == 0
 
@@ -179,9 +181,9 @@ def test_checksum_mismatch_is_detected_deleted_and_not_recorded(hub, hub_env):
     with pytest.raises(CheckpointError, match="sha256") as err:
         _pull(f"{TINY}:4.0bpw")
     assert "deleted" in err.value.hint
-    folder = pull_mod.repo_folder(TINY)
-    assert pull_mod.records() == []
-    assert not any((folder / "blobs").glob("*")) and not any((folder / pull_mod.STAGING_DIR).glob("*.part"))
+    folder = store.repo_folder(TINY)
+    assert store.records() == []
+    assert not any((folder / "blobs").glob("*")) and not any((folder / hub_mod.STAGING_DIR).glob("*.part"))
     hub.corrupt.clear()
     assert _pull(f"{TINY}:4.0bpw").bits == 4.0
 
@@ -204,7 +206,7 @@ def test_dropped_connection_resumes_with_a_range_request(hub, hub_env, hub_repos
 
 def test_a_server_that_ignores_the_range_request_gets_a_clean_restart(hub, hub_env, hub_repos):
     data = hub_repos.files[PADDED]["main"]["model.safetensors"]
-    staging = pull_mod.repo_folder(PADDED) / pull_mod.STAGING_DIR
+    staging = store.repo_folder(PADDED) / hub_mod.STAGING_DIR
     staging.mkdir(parents=True)
     (staging / f"{hashlib.sha256(data).hexdigest()}.part").write_bytes(data[:5_000_000])  # a kept partial
     hub.ignore_range.add("model.safetensors")
@@ -219,7 +221,7 @@ def test_interrupted_pull_is_not_listed_and_resumes_after_ctrl_c(hub, hub_env, h
     proc = _cli(hub_env, "pull", PADDED, "--quiet")
     # The weights' own .part (named by their sha256, the LFS etag): Ctrl-C lands mid-transfer of them,
     # not during the small files before, whatever the box's load.
-    weights_part = pull_mod.repo_folder(PADDED) / pull_mod.STAGING_DIR / f"{hashlib.sha256(data).hexdigest()}.part"
+    weights_part = store.repo_folder(PADDED) / hub_mod.STAGING_DIR / f"{hashlib.sha256(data).hexdigest()}.part"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (weights_part.exists() and weights_part.stat().st_size > 0):
         assert proc.poll() is None, proc.communicate()
@@ -229,7 +231,7 @@ def test_interrupted_pull_is_not_listed_and_resumes_after_ctrl_c(hub, hub_env, h
     assert proc.returncode == 130, f"{stderr}\n(this process's SIGINT handler: {signal.getsignal(signal.SIGINT)})"
     kept = weights_part.stat().st_size
     assert 0 < kept < len(data) and weights_part.read_bytes() == data[:kept]
-    assert pull_mod.records() == []
+    assert store.records() == []
     listed = _cli(hub_env, "list").communicate(timeout=60)[0]
     assert PADDED not in listed
 
@@ -242,8 +244,8 @@ def test_interrupted_pull_is_not_listed_and_resumes_after_ctrl_c(hub, hub_env, h
 
 
 def test_concurrent_pull_of_the_same_repo_is_refused(hub, hub_env):
-    lock = pull_mod.repo_folder(TINY) / pull_mod.STAGING_DIR / "pull.lock"
-    with pull_mod._locked(lock), pytest.raises(Exl3Error, match="another pull"):
+    lock = store.repo_folder(TINY) / hub_mod.STAGING_DIR / "pull.lock"
+    with hub_mod._locked(lock), pytest.raises(Exl3Error, match="another pull"):
         _pull(f"{TINY}:4.0bpw")
 
 
@@ -271,15 +273,15 @@ def test_rm_frees_one_revision_and_keeps_the_other(hub, hub_env):
     assert proc.returncode == 0, err
     assert "freed 3.0 MiB" in out  # 4.0bpw weights + configs; the shared tokenizer stays
     assert not Path(four.path).exists() and (Path(two.path) / "model.safetensors").is_file()
-    assert not (pull_mod.repo_folder(TINY) / "refs" / "4.0bpw").exists()
-    assert [m.name for m in pull_mod.records()] == [f"{TINY}:2.5bpw"]
+    assert not (store.repo_folder(TINY) / "refs" / "4.0bpw").exists()
+    assert [m.name for m in store.records()] == [f"{TINY}:2.5bpw"]
 
 
 def test_rm_asks_and_keeps_on_no(hub, hub_env):
     _pull(f"{TINY}:4.0bpw")
     proc = _cli(hub_env, "rm", TINY, stdin=subprocess.PIPE)
     out, _ = proc.communicate("n\n", timeout=60)
-    assert "kept" in out and len(pull_mod.records()) == 1
+    assert "kept" in out and len(store.records()) == 1
 
 
 def test_list_shows_name_bpw_and_size(hub, hub_env):
@@ -314,28 +316,27 @@ def hub_profile(tmp_path, monkeypatch) -> str:
 
 def test_profile_default_is_pulled_after_a_confirmation_that_shows_the_size(hub, hub_env, hub_profile):
     seen = []
-    model = pull_mod.ensure_default_model(hub_profile, confirm=lambda plan: seen.append(plan.missing_bytes) or True,
+    model = hub_mod.ensure_default_model(hub_profile, confirm=lambda plan: seen.append(plan.missing_bytes) or True,
                                           architectures=lambda: KNOWN)  # fmt: skip
     assert model.name == f"{TINY}:4.0bpw" and seen and seen[0] >= 3_000_000
     hub.log.clear()
-    assert pull_mod.ensure_default_model(hub_profile, confirm=None) == model  # there: no question, no request
+    assert hub_mod.ensure_default_model(hub_profile, confirm=None) == model  # there: no question, no request
     assert hub.log == []
 
 
 def test_profile_default_is_never_fetched_without_asking(hub, hub_env, hub_profile):
     with pytest.raises(Exl3Error, match=r"hubtest's default model .* is not pulled \(3\.\d MiB to download\)"):
-        pull_mod.ensure_default_model(hub_profile, confirm=None, architectures=lambda: KNOWN)
+        hub_mod.ensure_default_model(hub_profile, confirm=None, architectures=lambda: KNOWN)
     assert hub.weight_bytes_sent(TINY) == 0
 
 
 def test_the_demo_profile_needs_no_pull(hub, hub_env):
-    assert pull_mod.ensure_default_model("cpu", confirm=None) is None
+    assert hub_mod.ensure_default_model("cpu", confirm=None) is None
     assert hub.log == []
 
 
 def test_rm_refuses_the_model_the_daemon_serves(hub, hub_env, monkeypatch):
-    import exl3local.api
-    from exl3local.api import DaemonStatus
+    from exl3local.api.protocol import DaemonStatus
 
     model = _pull(f"{TINY}:4.0bpw")
     label = f"{model.repo_id}:{model.revision}@{model.commit[:12]}"  # how the daemon names a pulled model
@@ -353,8 +354,8 @@ def test_rm_refuses_the_model_the_daemon_serves(hub, hub_env, monkeypatch):
         def status(self) -> DaemonStatus:
             return DaemonStatus.from_json({"state": "READY", "model": label})
 
-    monkeypatch.setattr(exl3local.api, "DaemonClient", Serving)
+    monkeypatch.setattr(model_commands, "DaemonClient", Serving)
     from exl3local import cli
 
     assert cli.main(["rm", f"{TINY}:4.0bpw", "--yes"]) == ConfigError.exit_code
-    assert Path(model.path).is_dir() and pull_mod.records() == [model]
+    assert Path(model.path).is_dir() and store.records() == [model]

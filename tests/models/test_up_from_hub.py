@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exl3local import pull as pull_mod
+from exl3local.models import store
 
 from private_user import clean_box, make_box
 
@@ -22,7 +22,7 @@ def test_up_pulls_a_hub_repo_then_serves_it(hub, hub_env, tmp_path_factory):
     try:
         up = box.cli("up", f"{TINY}:4.0bpw", "--profile", "cpu", "--port", str(box.engine_port), timeout=420)
         assert up.returncode == 0, up.stdout + up.stderr
-        (model,) = pull_mod.records()  # `up` pulled it first: not there before, recorded now
+        (model,) = store.records()  # `up` pulled it first: not there before, recorded now
         assert model.name == f"{TINY}:4.0bpw" and hub.weight_bytes_sent(TINY) > 0
         status = box.cli("status", "--json", timeout=60)
         assert '"state": "READY"' in status.stdout, status.stdout + status.stderr

@@ -9,7 +9,7 @@ import sys
 import pytest
 from textual.widgets import Log
 
-from exl3local import metrics
+from exl3local.api import metrics
 from exl3local.tui.app import Dashboard, make_dashboard
 from exl3local.tui.messages import DaemonLost, KernelsUpdated, LogsAppended, MetricsUpdated, StatusUpdated
 from exl3local.tui.screens.logs import LogScreen

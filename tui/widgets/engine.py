@@ -8,8 +8,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from exl3local.api import DaemonStatus
-from exl3local.supervisor import EngineState
+from exl3local.api.protocol import DaemonStatus, EngineState
+from exl3local.units import format_duration
 
 STATE_STYLE = {
     EngineState.READY: "bold green",
@@ -22,14 +22,7 @@ STATE_STYLE = {
 
 
 def human_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return format_duration(seconds, none="–")
 
 
 class EnginePanel(Widget):

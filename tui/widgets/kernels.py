@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from exl3local.api import KernelCounts
+from exl3local.api.protocol import KernelCounts
 from exl3local.tui.widgets.engine import human_duration
 
 

@@ -12,21 +12,14 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from exl3local.api import DaemonStatus
+from exl3local.api.protocol import DaemonStatus
+from exl3local.units import format_bytes
 
 BAR_WIDTH = 16
 
 
 def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "–"
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB"):
-        n /= 1024
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} GiB"
+    return format_bytes(n, none="–")
 
 
 def bar(parts: list[tuple[float, str]], total: float, width: int = BAR_WIDTH) -> Text:

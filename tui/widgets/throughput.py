@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from exl3local.metrics import MetricsSnapshot, rate_per_s
+from exl3local.api.metrics import MetricsSnapshot, rate_per_s
 
 # Two minutes at the default 1 s poll: enough to see a burst of requests and its tail.
 HISTORY_SAMPLES = 120

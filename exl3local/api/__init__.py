@@ -1,0 +1,1 @@
+"""The daemon's JSON API: the vocabulary both sides speak (protocol) and the front-ends' client."""

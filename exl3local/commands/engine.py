@@ -1,0 +1,287 @@
+"""CLI subcommands for the engine: up, down, status, logs, and `daemon` (run one in this process).
+
+They talk to a running daemon only through the API client; `daemon` and `up --foreground` run the
+daemon itself in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from exl3local import paths, profiles
+from exl3local.api.client import DaemonClient
+from exl3local.api.protocol import DaemonStatus, EngineState, UpRequest
+from exl3local.daemon import main as daemon_main
+from exl3local.daemon.server import Daemon
+from exl3local.desktop import service
+from exl3local.errors import DaemonUnavailable, Exl3Error
+from exl3local.models import hub, store
+from exl3local.units import format_bytes, format_duration
+
+DAEMON_START_TIMEOUT_S = 20.0
+DOWN_TIMEOUT_S = 30.0
+
+
+# ---- up ---------------------------------------------------------------------------------------
+
+
+def _resolve_model_arg(model: str | None) -> str | None:
+    """Local paths go to the daemon as absolute paths (its cwd differs); a hub repo that is
+    not pulled yet is pulled here first, with the pull's own checks and progress."""
+    if model is None:
+        return None
+    target = store.parse_argument(model)
+    if not isinstance(target, store.ModelRef):
+        return str(target.resolve())
+    if store.find(target) is None:
+        hub.pull(target, confirm=_confirm_download if sys.stdin.isatty() else None)
+    return str(target)
+
+
+def _confirm_download(plan: Any) -> bool:
+    answer = input(f"Download {plan.ref} ({format_bytes(plan.missing_bytes)} to fetch)? [Y/n] ")
+    return answer.strip().lower() in ("", "y", "yes")
+
+
+def ensure_daemon(client: Any) -> None:
+    """Heartbeat, else start `exl3local daemon` detached and wait for it. Two racing `up`s may
+    both spawn one: the lock lets one live, and both then talk to it."""
+    try:
+        client.heartbeat()
+        return
+    except DaemonUnavailable:
+        pass
+    # Its stderr goes to a file, not a pipe: the daemon outlives this command. Early errors
+    # (lock, port) land there before its own log exists.
+    errfile = paths.log_dir() / "daemon-start.err"
+    # An installed systemd unit owns the daemon (restarts it, stops it at logout); else a detached one.
+    child = None
+    if not service.start_if_installed():
+        with open(errfile, "wb") as err:
+            child = subprocess.Popen(
+                [sys.executable, "-P", "-m", "exl3local", "daemon", "--detached"], cwd=str(paths.state_dir()),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+            )  # fmt: skip
+    deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            client.heartbeat()
+            return
+        except DaemonUnavailable:
+            time.sleep(0.1)
+        if child is not None and child.poll() not in (None, 0):
+            err = errfile.read_text(errors="replace").strip()
+            if "already running" not in err:  # the other starter won: keep polling it
+                raise Exl3Error(f"the daemon could not start (exit status {child.returncode}):\n{err}",
+                                hint=f"see {paths.daemon_log()}")
+    raise Exl3Error(f"the daemon did not answer within {DAEMON_START_TIMEOUT_S:.0f} s",
+                    hint=f"see {paths.daemon_log()}")
+
+
+class _Progress:
+    """One self-overwriting line on a terminal; state changes only otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last_state = ""
+        self.t0 = time.monotonic()
+
+    def __call__(self, st: Any) -> None:
+        elapsed = time.monotonic() - self.t0
+        if self.tty:
+            width = max(os.get_terminal_size(sys.stderr.fileno()).columns - 1, 20)
+            extra = f"  retry in {st.retry_in_s:.0f}s" if st.retry_in_s else ""
+            line = f"{st.state.value:<8} {elapsed:5.0f}s  {st.progress or st.last_error or ''}{extra}"
+            sys.stderr.write("\r" + line[:width].ljust(width))
+            sys.stderr.flush()
+        elif st.state.value != self.last_state:
+            print(f"{st.state.value} after {elapsed:.0f}s", file=sys.stderr)
+        self.last_state = st.state.value
+
+    def done(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def _print_ready(st: Any) -> None:
+    kv = f"KV {format_bytes(st.kv_budget_bytes)} = {st.kv_budget_tokens} tokens" if st.kv_budget_bytes else "KV -"
+    print(f"READY  {st.model}  (profile {st.profile}, {st.gpu.name if st.gpu else '?'}, {kv})")
+    print(f"OpenAI endpoint: {st.endpoint}  model: {st.served_model_name}")
+
+
+def _keeps_current_model(req: UpRequest) -> bool:
+    """A bare `up` while the daemon serves something keeps that (daemon.server.Daemon.up), so the
+    profile's default model is not needed then."""
+    if req != UpRequest():
+        return False
+    try:
+        with DaemonClient() as client:
+            return client.status().model is not None
+    except DaemonUnavailable:
+        return False
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    req = UpRequest(model=_resolve_model_arg(args.model), profile=args.profile, port=args.port,
+                    overrides=profiles.parse_overrides(args.set), demo=args.demo)
+    if req.model is None and not req.demo and not _keeps_current_model(req):
+        # the profile's default model: pulled first, after asking
+        hub.ensure_default_model(req.profile, req.overrides, confirm=_confirm_download if sys.stdin.isatty() else None)
+    if args.foreground:
+        return _up_foreground(req)
+    with DaemonClient() as client:
+        ensure_daemon(client)
+        client.up(req.model, profile=req.profile, port=req.port, overrides=dict(req.overrides), demo=req.demo)
+        progress = _Progress()
+        try:
+            st = client.wait_ready(on_progress=progress)
+        finally:
+            progress.done()
+    _print_ready(st)
+    return 0
+
+
+def _up_foreground(req: UpRequest) -> int:
+    async def announce(d: Daemon) -> None:
+        while d.sup.state not in (EngineState.READY, EngineState.FAILED):
+            await d.sup.wait_change()
+        st = DaemonStatus.from_json(d.status())
+        if st.state == EngineState.READY:
+            _print_ready(st)
+            print("(foreground: Ctrl-C stops the engine and the daemon)")
+        else:
+            print(f"FAILED: {st.last_error}\n{st.stderr_tail}", file=sys.stderr)
+
+    return daemon_main.run(foreground=True, initial=req,
+                      on_ready=lambda d: asyncio.get_running_loop().create_task(announce(d)))
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="serve a model (starts the daemon if needed); returns once it is READY")
+    p.add_argument("model", nargs="?", help="checkpoint directory or hub REPO[:REVISION] (default: the profile's)")
+    p.add_argument("--profile", help="use this profile instead of the detected/pinned one")
+    p.add_argument("--port", type=int, help="port of the OpenAI endpoint on 127.0.0.1 (default 11436)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one profile setting (repeatable)")
+    p.add_argument("--demo", action="store_true", help="serve the tiny EXL3 demo model bundled in the package")
+    p.add_argument("--foreground", action="store_true", help="run the daemon in this terminal; Ctrl-C stops all")
+    p.set_defaults(handler=_cmd_up)
+
+
+# ---- down / status / logs ------------------------------------------------------------------------
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    with DaemonClient() as client:
+        try:
+            pid = client.heartbeat().get("daemon_pid")
+            client.shutdown()
+        except DaemonUnavailable:
+            print("exl3local: the daemon is not running")
+            return 0
+        deadline = time.monotonic() + DOWN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                client.heartbeat()
+            except DaemonUnavailable:
+                break
+            time.sleep(0.1)
+        else:
+            raise Exl3Error(f"the daemon (pid {pid}) did not exit within {DOWN_TIMEOUT_S:.0f} s")
+    print("stopped")
+    return 0
+
+
+def _add_down(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("down", help="stop the engine and the daemon")
+    p.set_defaults(handler=_cmd_down)
+
+
+def format_status(st: DaemonStatus) -> str:
+    gpu = st.gpu
+    rows = [
+        ("state", st.state.value + (f" (retry in {st.retry_in_s:.0f}s)" if st.retry_in_s else "")),
+        ("model", st.model or "-"),
+        ("served as", st.served_model_name or "-"),
+        ("profile", f"{st.profile or '-'}  {st.profile_reason}".rstrip()),
+        ("GPU", f"{gpu.name} ({gpu.kind}{', ' + gpu.pci_id if gpu.pci_id else ''}, {format_bytes(gpu.memory_bytes)})"
+         if gpu else "-"),
+        ("KV budget", f"{format_bytes(st.kv_budget_bytes)} = {st.kv_budget_tokens} tokens"
+         f" ({'pinned' if st.kv_budget_pinned else 'estimate'}), max_model_len {st.max_model_len}"
+         if st.kv_budget_bytes is not None else "-"),
+        ("endpoint", st.endpoint or "-"),
+        ("engine pid", f"{st.engine_pid}  RSS {format_bytes(st.engine_rss_bytes)}" if st.engine_pid else "-"),
+        ("uptime", format_duration(st.uptime_s)),
+        ("restarts", str(st.restarts)),
+        ("daemon", f"pid {st.daemon_pid}, up {format_duration(st.daemon_uptime_s)}"),
+    ]
+    if st.last_error:
+        rows.append(("last error", st.last_error))
+    out = "\n".join(f"{k:<11} {v}" for k, v in rows)
+    if st.stderr_tail and st.state.value in ("FAILED", "BACKOFF"):
+        tail = "\n".join(st.stderr_tail.rstrip().splitlines()[-15:])
+        out += "\n--- engine output (last lines) ---\n" + tail
+    return out
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    with DaemonClient() as client:
+        st = client.status()
+    print(json.dumps(st.raw, indent=2) if args.json else format_status(st))
+    return 0
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="engine state, model, profile, GPU, KV budget, endpoint")
+    p.add_argument("--json", action="store_true", help="the daemon's status object (docs/api.md)")
+    p.set_defaults(handler=_cmd_status)
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    with DaemonClient() as client:
+        try:
+            if args.follow:
+                for text in client.follow_logs(tail=args.lines):
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+            sys.stdout.write(client.logs(tail=args.lines).text)
+            return 0
+        except DaemonUnavailable:
+            if args.follow:
+                raise
+    # No daemon: the file is still there, and most useful right after a crash.
+    log = paths.engine_log()
+    lines = log.read_text(errors="replace").splitlines(keepends=True)[-args.lines:] if log.exists() else []
+    sys.stdout.write("".join(lines))
+    return 0
+
+
+def _add_logs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("logs", help="the engine's log")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    p.add_argument("-n", "--lines", type=int, default=200, help="how many lines to start with (default 200)")
+    p.set_defaults(handler=_cmd_logs)
+
+
+# ---- daemon -------------------------------------------------------------------------------------------
+
+
+def _cmd_daemon(args: argparse.Namespace) -> int:
+    return daemon_main.run(foreground=not args.detached)
+
+
+def _add_daemon(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("daemon", help="run the daemon in the foreground (systemd, or started by `up`)")
+    p.add_argument("--detached", action="store_true", help="log to the log file only (how `up` starts it)")
+    p.set_defaults(handler=_cmd_daemon)
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    for add in (_add_up, _add_down, _add_status, _add_logs, _add_daemon):
+        add(sub)

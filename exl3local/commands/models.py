@@ -1,0 +1,108 @@
+"""CLI subcommands for models: inspect, pull, list, rm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from exl3local import manifest
+from exl3local.api.client import DaemonClient
+from exl3local.api.protocol import ENGINE_ALIVE
+from exl3local.errors import BudgetError, ConfigError, DaemonUnavailable, Exl3Error
+from exl3local.models import hub, store
+from exl3local.models.store import ModelRef, PulledModel
+from exl3local.units import format_bytes
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    ref = ModelRef.parse(args.model)
+    model = hub.pull(ref, force=args.force, fit_check=hub.fits_this_machine, progress=not args.quiet)
+    print(f"{model.name} ({model.commit[:12]}, {format_bytes(model.size_bytes)}) → {model.path}")
+    return 0
+
+
+def _fits(model: PulledModel) -> str:
+    try:
+        hub.fits_this_machine(manifest.read(model.path))
+    except BudgetError:
+        return "no"
+    except Exl3Error:
+        return "?"
+    return "yes"
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    models = store.records()
+    if args.json:
+        print(json.dumps([{**asdict(m), "fits": _fits(m)} for m in models], indent=2))
+        return 0
+    rows = [("NAME", "COMMIT", "BPW", "SIZE", "FITS", "ARCHITECTURE")]
+    rows += [
+        (m.name, m.commit[:12], f"{m.bits:g}" if m.bits else "?", format_bytes(m.size_bytes), _fits(m), m.architecture)
+        for m in models
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _served(model: PulledModel) -> bool:
+    """Is the daemon serving (or starting) this revision? Its files must not vanish under vLLM."""
+    try:
+        with DaemonClient() as client:
+            status = client.status()
+    except DaemonUnavailable:
+        return False
+    label = status.model or ""
+    return status.state in ENGINE_ALIVE and (model.path in label or model.commit[:12] in label)
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    ref = ModelRef.parse(args.model)
+    every_revision = ":" not in args.model and "@" not in args.model
+    matches = [
+        m for m in store.records()
+        if m.repo_id == ref.repo_id and (every_revision or ref.revision in (m.revision, m.commit))
+    ]  # fmt: skip
+    if not matches:
+        raise ConfigError(f"{args.model}: not pulled", hint="`exl3local list` shows what is")
+    for m in matches:
+        if _served(m):
+            raise ConfigError(f"{m.name} is being served by the daemon", hint="`exl3local down` (or `up` another model) first")
+        if not args.yes:
+            try:
+                answer = input(f"Remove {m.name} ({m.commit[:12]}, {format_bytes(m.size_bytes)})? [y/N] ")
+            except EOFError:
+                answer = ""
+            if answer.strip().lower() not in {"y", "yes"}:
+                print(f"kept {m.name}")
+                continue
+        print(f"removed {m.name}, freed {format_bytes(store.remove(m))}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    m = manifest.read(args.path)
+    print(m.to_json() if args.json else m.summary())
+    return 0
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="summarise an EXL3 checkpoint without loading its weights")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.set_defaults(handler=_cmd_inspect)
+    p = sub.add_parser("pull", help="download an EXL3 model from the Hugging Face hub, checked before download")
+    p.add_argument("model", metavar="REPO[:REVISION]", help="e.g. turboderp/Qwen3-8B-exl3:4.0bpw")
+    p.add_argument("--force", action="store_true", help="pull even if the model does not fit this machine's profile")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(handler=_cmd_pull)
+    p = sub.add_parser("list", help="list pulled models; FITS: does it fit the profile `up` would use here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_cmd_list)
+    p = sub.add_parser("rm", help="remove a pulled model from the hub cache")
+    p.add_argument("model", metavar="REPO[:REVISION]", help="without a revision: every pulled revision of REPO")
+    p.add_argument("-y", "--yes", action="store_true", help="do not ask")
+    p.set_defaults(handler=_cmd_rm)

@@ -1,0 +1,1 @@
+"""The long-running service: the HTTP API (server), the `up` pipeline (plan), the process (main)."""

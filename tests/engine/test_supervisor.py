@@ -1,0 +1,155 @@
+"""Supervisor state machine with a fake clock, fake processes and a fake health probe."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from exl3local.api.protocol import EngineState
+from exl3local.engine.supervisor import Policy, Supervisor
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_backoff_doubles_and_gives_up_after_three_fast_exits():
+    clock = FakeClock()
+    sup = Supervisor(clock=clock, policy=Policy(max_fast_failures=3, backoff_base_s=1, backoff_max_s=30))
+    assert sup.after_exit(1, "exit 1") == EngineState.BACKOFF and sup.retry_at == clock.now + 1
+    assert sup.after_exit(1, "exit 1") == EngineState.BACKOFF and sup.retry_at == clock.now + 2
+    assert sup.after_exit(1, "exit 1") == EngineState.FAILED
+    assert "gave up after 3" in sup.last_error and sup.retry_at is None
+
+
+def test_exit_after_a_long_ready_period_restarts_quickly_and_resets_the_count():
+    clock = FakeClock()
+    sup = Supervisor(clock=clock, policy=Policy(max_fast_failures=2, min_uptime_s=10, backoff_base_s=1))
+    sup.after_exit(1, "crash at start")
+    sup.ready_since = clock.now
+    clock.now += 3600
+    assert sup.after_exit(-9, "killed") == EngineState.BACKOFF
+    assert sup.fast_failures == 0 and sup.retry_at == clock.now + 1
+    sup.ready_since = clock.now
+    clock.now += 2  # died 2 s after READY: counts as fast
+    assert sup.after_exit(-9, "killed") == EngineState.BACKOFF and sup.fast_failures == 1
+
+
+def test_backoff_is_capped():
+    sup = Supervisor(policy=Policy(backoff_base_s=1, backoff_max_s=5))
+    assert [sup.backoff_delay_s(n) for n in (1, 2, 3, 4, 10)] == [1, 2, 4, 5, 5]
+
+
+class FakeProc:
+    pids = iter(range(900000, 999999))
+
+    def __init__(self) -> None:
+        self.pid = next(self.pids)
+        self.returncode: int | None = None
+        self.stdout = asyncio.StreamReader()
+        self._done = asyncio.Event()
+
+    def exit(self, status: int, output: bytes = b"") -> None:
+        self.stdout.feed_data(output)
+        self.stdout.feed_eof()
+        self.returncode = status
+        self._done.set()
+
+    async def wait(self) -> int:
+        await self._done.wait()
+        return self.returncode
+
+
+class Spec:
+    argv = ("engine",)
+    tmpdir: str
+
+    def __init__(self, tmp_path) -> None:
+        self.tmpdir = str(tmp_path / "engine-tmp")
+
+
+async def _until(sup: Supervisor, state: EngineState) -> None:
+    while sup.state != state:
+        await asyncio.wait_for(sup.wait_change(), 5)
+
+
+@pytest.fixture
+def harness(tmp_path):
+    procs: list[FakeProc] = []
+    healthy = {"ok": False}
+    killed: list[int] = []
+
+    async def spawn(spec):
+        procs.append(FakeProc())
+        return procs[-1]
+
+    async def health(spec):
+        return healthy["ok"]
+
+    async def kill_group(pgid, timeout):
+        killed.append(pgid)
+        for p in procs:
+            if p.pid == pgid and p.returncode is None:
+                p.exit(-15)
+        return False
+
+    sup = Supervisor(spawn=spawn, health=health, kill_group=kill_group,
+                     policy=Policy(max_fast_failures=3, backoff_base_s=0.01, health_poll_s=0.01, exit_poll_s=0.01,
+                                   min_uptime_s=0.05))
+    return sup, procs, healthy, killed, Spec(tmp_path)
+
+
+async def test_ready_then_killed_engine_is_restarted(harness):
+    sup, procs, healthy, killed, spec = harness
+    healthy["ok"] = True
+    await sup.start(spec)
+    await _until(sup, EngineState.READY)
+    await asyncio.sleep(0.1)  # past min_uptime_s
+    procs[0].exit(-9)
+    await _until(sup, EngineState.BACKOFF)
+    await _until(sup, EngineState.READY)
+    assert len(procs) == 2 and sup.restarts == 1 and sup.exit_status == -9
+    assert killed[0] == procs[0].pid  # the dead leader's group is still swept
+    await sup.stop()
+    assert sup.state == EngineState.STOPPED and procs[1].returncode == -15
+
+
+async def test_crash_loop_ends_failed_with_the_output_tail(harness):
+    sup, procs, healthy, killed, spec = harness
+
+    async def crash_soon():
+        while sup.state != EngineState.FAILED:
+            for p in procs:
+                if p.returncode is None:
+                    p.exit(1, b"loading...\nValueError: Unknown quantization method: exl3\n")
+            await asyncio.sleep(0.005)
+
+    crasher = asyncio.create_task(crash_soon())
+    await sup.start(spec)
+    await _until(sup, EngineState.FAILED)
+    crasher.cancel()
+    assert len(procs) == 3 and sup.restarts == 2
+    assert "Unknown quantization method" in sup.stderr_tail
+    assert sup.snapshot()["state"] == "FAILED" and sup.snapshot()["engine_pid"] is None
+
+
+async def test_stop_while_starting_ends_the_group(harness):
+    sup, procs, healthy, killed, spec = harness
+    await sup.start(spec)
+    await asyncio.sleep(0.05)
+    assert sup.state == EngineState.STARTING
+    await sup.stop()
+    assert sup.state == EngineState.STOPPED and procs[0].returncode == -15 and killed == [procs[0].pid]
+
+
+async def test_stall_without_output_counts_as_a_failed_start(harness, monkeypatch):
+    sup, procs, healthy, killed, spec = harness
+    sup.policy = Policy(max_fast_failures=1, stall_timeout_s=0.05, health_poll_s=0.01, exit_poll_s=0.01)
+    await sup.start(spec)
+    await _until(sup, EngineState.FAILED)
+    assert "no output" in sup.last_error and procs[0].returncode == -15
