@@ -129,9 +129,20 @@ def _engine_error(st: DaemonStatus) -> errors.EngineError:
 class _Core:
     """What both clients share: the address, the token, and turning a _Call into an answer."""
 
-    def __init__(self, host: str | None, token: str | None) -> None:
+    _HTTP: type[httpx.Client] | type[httpx.AsyncClient]  # the one thing the two clients differ in
+
+    def __init__(
+        self,
+        host: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        token: str | None = None,
+        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """`transport`: an httpx transport of the client's kind (tests pass a MockTransport)."""
         self.base_url = _base_url(host)
         self._token = token
+        self._http: Any = self._HTTP(base_url=self.base_url, timeout=timeout_s, transport=transport, trust_env=False)
 
     def _request_args(self, call: _Call) -> tuple[str, str, dict[str, Any]]:
         options = dict(call.options)
@@ -162,16 +173,7 @@ class DaemonClient(_Core):
     """Synchronous client (CLI, tray). Every method raises DaemonUnavailable when no daemon
     answers, or the daemon's own Exl3Error subclass."""
 
-    def __init__(
-        self,
-        host: str | None = None,
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        token: str | None = None,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        super().__init__(host, token)
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport, trust_env=False)
+    _HTTP = httpx.Client
 
     def close(self) -> None:
         self._http.close()
@@ -256,16 +258,7 @@ class DaemonClient(_Core):
 class AsyncDaemonClient(_Core):
     """The same API for asyncio callers (the Textual dashboard's workers)."""
 
-    def __init__(
-        self,
-        host: str | None = None,
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        token: str | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        super().__init__(host, token)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport, trust_env=False)
+    _HTTP = httpx.AsyncClient
 
     async def aclose(self) -> None:
         await self._http.aclose()
