@@ -12,6 +12,7 @@ models that cannot fit.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,10 +62,14 @@ class Budget:
         return "\n".join(self.lines)
 
 
+# vLLM's default KV block per backend when the profile sets none; hybrid models round it up (below).
+DEFAULT_BLOCK_TOKENS = {"cpu": 128, "xpu": 64, "cuda": 16}
+SSM_STATE_BYTES = 4  # vLLM keeps Gated DeltaNet recurrent state in fp32 on every accelerated backend
+
+
 def full_attention_layers(config: dict[str, Any]) -> int:
     """Layers that keep a KV cache. Hybrid models (Qwen3.5/3-Next: Gated DeltaNet + attention)
-    list `layer_types` or give `full_attention_interval`; linear-attention layers keep a small
-    fixed state per sequence instead, which the engine overhead covers."""
+    list `layer_types` or give `full_attention_interval`; the other layers keep a fixed state."""
     cfg = text_config(config)
     n_layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
@@ -76,18 +81,84 @@ def full_attention_layers(config: dict[str, Any]) -> int:
     return n_layers
 
 
-def kv_bytes_per_token(config: dict[str, Any], kv_cache_dtype: str = "auto") -> int:
-    """K and V for one token over all full-attention layers."""
+def _dtype_bytes(config: dict[str, Any], kv_cache_dtype: str) -> int:
+    if kv_cache_dtype != "auto":
+        return KV_DTYPE_BYTES[kv_cache_dtype]
+    cfg = text_config(config)
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return MODEL_DTYPE_BYTES.get(dtype, 2)
+
+
+def kv_bytes_per_token(config: dict[str, Any], kv_cache_dtype: str = "auto", extra_attention_layers: int = 0) -> int:
+    """K and V for one token over all full-attention layers (and a draft's, when given)."""
     cfg = text_config(config)
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    if kv_cache_dtype == "auto":
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or config.get("dtype") or "bfloat16")
-        elem = MODEL_DTYPE_BYTES.get(dtype, 2)
-    else:
-        elem = KV_DTYPE_BYTES[kv_cache_dtype]
-    return 2 * full_attention_layers(config) * kv_heads * head_dim * elem
+    layers = full_attention_layers(config) + extra_attention_layers
+    return 2 * layers * kv_heads * head_dim * _dtype_bytes(config, kv_cache_dtype)
+
+
+def gdn_state_bytes(config: dict[str, Any], speculative_tokens: int = 0) -> int:
+    """One Gated DeltaNet layer's per-sequence state: the conv window (model dtype) and the fp32
+    recurrent state (value heads x value dim x key dim). 0 for models without linear attention."""
+    cfg = text_config(config)
+    sizes = [cfg.get(k) for k in ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+                                  "linear_value_head_dim", "linear_conv_kernel_dim")]
+    if not all(isinstance(v, int) and v > 0 for v in sizes):
+        return 0
+    k_heads, k_dim, v_heads, v_dim, kernel = sizes
+    conv = (2 * k_heads * k_dim + v_heads * v_dim) * (kernel - 1 + speculative_tokens) * _dtype_bytes(config, "auto")
+    return conv + v_heads * v_dim * k_dim * SSM_STATE_BYTES
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one sequence costs in vLLM's cache for this model and profile. Hybrid models share one
+    page size between attention blocks and Gated DeltaNet states: vLLM grows the attention block
+    until a page holds a state, pads states to the page, pads layer groups to a common size, and
+    keeps 1 state per GDN layer and sequence (2 with prefix caching) plus one per draft token."""
+
+    token_bytes: int  # KV of one token over all attention layers
+    block_tokens: int  # attention tokens per page (1 for plain models: no rounding modelled)
+    state_bytes: int  # per sequence, all GDN layers, padded as vLLM pads them
+    attention_layers: int
+    state_layers: int
+
+    def sequence_bytes(self, tokens: int) -> int:
+        blocks = -(-tokens // self.block_tokens)
+        return self.token_bytes * blocks * self.block_tokens + self.state_bytes
+
+
+def cache_layout(config: dict[str, Any], profile: Any) -> CacheLayout:
+    cfg = text_config(config)
+    vllm = profile.vllm
+    kv_dtype = vllm.get("kv_cache_dtype", "auto")
+    spec = vllm.get("speculative_config") or {}
+    if isinstance(spec, str):  # profiles keep it as the JSON vLLM's flag takes
+        spec = json.loads(spec)
+    draft_tokens = int(spec.get("num_speculative_tokens", 0))
+    draft_layers = int(cfg.get("mtp_num_hidden_layers") or 0) if spec.get("method") == "mtp" else 0
+    attention = full_attention_layers(config) + draft_layers
+    token_bytes = kv_bytes_per_token(config, kv_dtype, draft_layers)
+    state = gdn_state_bytes(config, draft_tokens)
+    state_layers = int(cfg["num_hidden_layers"]) - full_attention_layers(config) if state else 0
+    if not state_layers or not attention:
+        return CacheLayout(token_bytes, 1, 0, attention, 0)
+    per_layer_token = token_bytes // attention
+    align = int(vllm.get("block_size") or DEFAULT_BLOCK_TOKENS.get(profile.backend, 16))
+    block = align * -(-state // (align * per_layer_token))
+    page = block * per_layer_token
+    group = min(attention, state_layers)
+    if max(attention, state_layers) < 1.5 * group:
+        group = max(attention, state_layers)
+    padded_attention = group * -(-attention // group)
+    padded_state_layers = group * -(-state_layers // group)
+    copies = (2 if vllm.get("enable_prefix_caching", True) else 1) + draft_tokens
+    return CacheLayout(
+        token_bytes=per_layer_token * padded_attention, block_tokens=block,
+        state_bytes=padded_state_layers * page * copies, attention_layers=attention, state_layers=state_layers,
+    )
 
 
 def model_max_len(config: dict[str, Any]) -> int | None:
@@ -100,7 +171,8 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
     """gpu: hardware.GpuInfo; profile: profiles.Profile. Pure: no I/O."""
     mp = profile.memory
     config = checkpoint.config
-    per_token = kv_bytes_per_token(config, profile.vllm.get("kv_cache_dtype", "auto"))
+    layout = cache_layout(config, profile)
+    per_token = layout.token_bytes
     ctx = max_model_len or int(profile.model["max_model_len"])
     limit = model_max_len(config)
     if limit:
@@ -134,12 +206,14 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
     headroom = room - weights - overhead
     lines.append(f"- weights {format_gib(weights)} - engine overhead {format_gib(overhead)} = KV headroom {format_gib(headroom)}")
 
-    need_one = per_token * ctx
-    lines.append(f"KV per token {per_token} B ({full_attention_layers(config)} attention layers);"
+    need_one = layout.sequence_bytes(ctx)
+    state_note = (f" + {format_gib(layout.state_bytes)} Gated DeltaNet state ({layout.state_layers} layers)"
+                  if layout.state_bytes else "")
+    lines.append(f"KV per token {per_token} B ({layout.attention_layers} attention layers){state_note};"
                  f" one {ctx}-token sequence needs {format_gib(need_one)}")
     if headroom < need_one:
         shortfall = need_one - headroom
-        fit_ctx = max(headroom, 0) // per_token
+        fit_ctx = max(headroom - layout.state_bytes, 0) // per_token
         hints = []
         if fit_ctx >= 256:
             hints.append(f"a shorter context (`--set model.max_model_len={fit_ctx // 256 * 256}`)")
@@ -154,7 +228,7 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
             hint="try " + ", or ".join(hints),
         )
     kv = headroom
-    useful = per_token * ctx * seqs
+    useful = need_one * seqs
     if kv > useful:
         kv = useful
         lines.append(f"capped at {seqs} sequences x {ctx} tokens = {format_gib(useful)}")
@@ -162,6 +236,8 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
     if cap is not None and kv > cap:
         kv = max(int(cap), need_one)
         lines.append(f"capped by memory.kv_max_bytes at {format_gib(kv)}")
-    lines.append(f"KV budget {kv} B = {kv // per_token} tokens ({'pinned' if pinned else 'estimate'})")
-    return Budget(kv_budget_bytes=int(kv), kv_budget_tokens=int(kv // per_token), kv_bytes_per_token=per_token,
+    # Tokens as vLLM reports them: whole max-length sequences (KV + state) times their length.
+    tokens = kv * ctx // need_one
+    lines.append(f"KV budget {kv} B = {tokens} tokens ({'pinned' if pinned else 'estimate'})")
+    return Budget(kv_budget_bytes=int(kv), kv_budget_tokens=int(tokens), kv_bytes_per_token=per_token,
                   max_model_len=ctx, pinned=pinned, lines=tuple(lines))

