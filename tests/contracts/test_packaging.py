@@ -1,8 +1,9 @@
-"""The wheel holds every mapped package and data file, nothing imports as a bare top-level name,
+"""The wheel holds every package (exl3local/ and its subpackages, and the mapped folders) and data file, nothing imports as a bare top-level name,
 and vLLM can find our plugin through its entry point."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,16 +13,25 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MAPPED = {"kernels": "exl3local/kernels", "plugin": "exl3local/plugin", "tui": "exl3local/tui",
-          "profiles": "exl3local/profiles", "packaging": "exl3local/packaging"}  # fmt: skip
+MAPPED = {"exl3local": "exl3local", "kernels": "exl3local/kernels", "plugin": "exl3local/plugin",
+          "tui": "exl3local/tui", "profiles": "exl3local/profiles", "packaging": "exl3local/packaging"}  # fmt: skip
 DATA_SUFFIXES = (".py", ".toml", ".tcss", ".in", ".desktop", ".png", ".svg")
 
 
 @pytest.fixture(scope="module")
 def wheel_names(tmp_path_factory) -> set[str]:
+    """The wheel of a copy of the source tree: building in the checkout would reuse setuptools'
+    build/ folder, whose leftovers hide a package missing from pyproject.toml."""
     out = tmp_path_factory.mktemp("wheel")
+    src = tmp_path_factory.mktemp("src")
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, text=True, check=True, cwd=REPO).stdout.split("\n")
+    for name in filter(None, listed):
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
     subprocess.run(
-        [sys.executable, "-P", "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check", "-w", str(out), str(REPO)],
+        [sys.executable, "-P", "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check", "-w", str(out), str(src)],
         check=True, capture_output=True, cwd=out,
     )  # fmt: skip
     (wheel,) = out.glob("exl3local-*.whl")
