@@ -6,7 +6,7 @@ The floors, lowest first (each may import only floors below it, and itself):
 2. profiles, kernels
 3. plugin
 4. machine; models (never the client)
-5. engine (reads plugin.trace files; never imports vLLM)
+5. engine (profiles below it; reads plugin.trace files; never imports vLLM)
 6. daemon (never the client, commands, tui or desktop); api/client and api/metrics beside it
 7. desktop, tui (never engine or daemon), commands, cli
 
@@ -45,7 +45,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "exl3local.plugin": (*FOUNDATION, "exl3local.kernels", "exl3local.plugin"),
     "exl3local.machine": (*FOUNDATION, "exl3local.profiles", "exl3local.machine"),
     "exl3local.models": (*FOUNDATION, "exl3local.profiles", "exl3local.machine", "exl3local.models"),
-    "exl3local.engine": (*FOUNDATION, *PROTOCOL, "exl3local.plugin.trace", "exl3local.engine"),
+    # profiles sit below the engine: it reads what a profile says about vLLM's flags
+    "exl3local.engine": (*FOUNDATION, *PROTOCOL, "exl3local.profiles", "exl3local.plugin.trace", "exl3local.engine"),
     "exl3local.daemon": (*FOUNDATION, *PROTOCOL, "exl3local.profiles", "exl3local.machine", "exl3local.models",
                          "exl3local.engine", "exl3local.daemon"),
     "exl3local.api": (*FOUNDATION, *PROTOCOL, *CLIENT),
