@@ -158,6 +158,7 @@ class Exl3LinearMethod(LinearMethodBase):
             svh_size += part.size_n
         layer.exl3_parts = parts
         layer.exl3_part_of_shard = {first: i for i, (first, _) in enumerate(spans)}
+        layer.exl3_role = trace.role_of(self.prefix)
         layer.exl3_in_features = input_size_per_partition
         layer.exl3_loaded = set()
 
@@ -308,11 +309,11 @@ class Exl3LinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if layer.exl3_dense is not None:
-            trace.count(DECODE_ONCE_PATH, rows)
+            trace.count(DECODE_ONCE_PATH, rows, layer.exl3_role)
             return F.linear(x, layer.exl3_dense, bias)
         parts = layer.exl3_parts
         for path in {kernel.path_for(rows) for kernel in layer.exl3_kernels}:  # parts may differ in bits
-            trace.count(path, rows)
+            trace.count(path, rows, layer.exl3_role)
         pad = parts[0].size_k - x.shape[-1]
         xp = F.pad(x, (0, pad)) if pad else x
         outs = []

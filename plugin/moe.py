@@ -367,7 +367,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if tokens == 0:  # an empty batch (e.g. a data-parallel dummy step): nothing routed
             return x.new_zeros(x.shape)
         path = select_path(tokens)
-        trace.count(path, tokens)
+        trace.count(path, tokens, "experts")
         return self.run_path(layer, path, x, topk_weights, topk_ids)
 
     def run_path(self, layer, path: KernelPath, x, topk_weights, topk_ids) -> torch.Tensor:

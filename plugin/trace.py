@@ -63,17 +63,19 @@ class PathCounters:
     def file(self) -> Path:
         return (self._dir or trace_dir()) / f"{FILE_PREFIX}{self._pid}.json"
 
-    def count(self, path: str, tokens: int) -> None:
-        """One call of `path` on `tokens` tokens."""
+    def count(self, path: str, tokens: int, role: str | None = None) -> None:
+        """One call of `path` on `tokens` tokens, by a layer of `role` (see role_of)."""
         with self._lock:
             now = time.time()
             entry = self._paths.get(path)
             first = entry is None
             if first:
-                entry = self._paths[path] = {"calls": 0, "tokens": 0, "first_s": now, "last_s": now}
+                entry = self._paths[path] = {"calls": 0, "tokens": 0, "first_s": now, "last_s": now, "roles": {}}
             entry["calls"] += 1
             entry["tokens"] += tokens
             entry["last_s"] = now
+            if role is not None:
+                entry["roles"][role] = entry["roles"].get(role, 0) + 1
             self._dirty = True
         if first:
             if env.TRACE_PATHS.get_bool():
@@ -107,7 +109,7 @@ class PathCounters:
                 "ppid": os.getppid(),
                 "started": self._started,
                 "updated": time.time(),
-                "paths": {p: dict(v) for p, v in sorted(self._paths.items())},
+                "paths": {p: {**v, "roles": dict(v["roles"])} for p, v in sorted(self._paths.items())},
                 "layers": dict(sorted(self._layers.items())),
                 "flags": dict(self._flags),
             }
@@ -158,8 +160,26 @@ def counters() -> PathCounters:
         return _COUNTERS
 
 
-def count(path: str, tokens: int) -> None:
-    counters().count(str(path), tokens)
+def count(path: str, tokens: int, role: str | None = None) -> None:
+    counters().count(str(path), tokens, role)
+
+
+# Layer roles the counters tell apart, most specific first: (substring of the vLLM prefix, role).
+ROLE_MARKERS = (
+    ("visual.", "vision"), ("mtp.", "mtp"), (".linear_attn.", "gdn"), (".shared_expert.", "shared_expert"),
+    (".experts", "experts"), ("attn.", "attention"), (".mlp.", "mlp"),
+)  # fmt: skip
+
+
+def role_of(prefix: str) -> str:
+    """What a layer does, from its vLLM prefix: the dashboard shows which kernel path served which role."""
+    dotted = f".{prefix}"
+    if dotted.endswith(".lm_head"):
+        return "lm_head"
+    for marker, role in ROLE_MARKERS:
+        if marker in dotted:
+            return role
+    return "other"
 
 
 def note_layer(kernel: str) -> None:

@@ -114,6 +114,7 @@ class KernelPathCount:
     calls: int = 0
     tokens: int = 0
     last_seen: float | None = None  # unix s of the latest call; None: never ran
+    roles: dict[str, int] = field(default_factory=dict)  # layer role (attention, gdn, experts, ...) -> calls
     state: str = "ok"  # "ok" | "latched_off" | "fallback": the dashboard paints the last two red
     reason: str | None = None
 

@@ -148,6 +148,7 @@ def kernel_summary(
     calls: dict[str, int] = {}
     tokens: dict[str, int] = {}
     last_seen: dict[str, float] = {}
+    roles: dict[str, dict[str, int]] = {}
     latched: dict[str, str] = {}
     processes = 0
     for snap in snapshots:
@@ -156,6 +157,9 @@ def kernel_summary(
         for path, entry in snap.get("paths", {}).items():
             calls[path] = calls.get(path, 0) + int(entry.get("calls", 0))
             tokens[path] = tokens.get(path, 0) + int(entry.get("tokens", 0))
+            for role, n in (entry.get("roles") or {}).items():
+                by_role = roles.setdefault(path, {})
+                by_role[role] = by_role.get(role, 0) + int(n)
             # `last_s` when the writer records it; else the file's write time is the latest call
             # it can vouch for (files are rewritten only when a count changed).
             seen = float(entry.get("last_s", updated))
@@ -174,6 +178,7 @@ def kernel_summary(
             "calls": calls.get(path, 0),
             "tokens": tokens.get(path, 0),
             "last_seen": last_seen.get(path),
+            "roles": dict(sorted(roles.get(path, {}).items(), key=lambda kv: -kv[1])),  # layer role -> calls
             "state": state,
             "reason": reason,
         })  # fmt: skip

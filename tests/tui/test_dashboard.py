@@ -69,6 +69,7 @@ async def test_ready_panels_show_the_recorded_numbers(wait_until, step_clock, st
 
         kernels_text = rendered(app.query_one(KernelPanel))
         assert "3,072" in kernels_text and "1,536" in kernels_text
+        assert "gemv served gdn 1,536, attention 512" in kernels_text  # which layers each path served
         assert "OFF" in kernels_text and "FALLBACK" in kernels_text
         assert "moe_grouped latched_off" in kernels_text
         assert "Triton compile failed on first call" in kernels_text

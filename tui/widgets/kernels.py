@@ -1,4 +1,5 @@
-"""Kernel-path panel: per EXL3 kernel path, calls, tokens and when it last ran.
+"""Kernel-path panel: per EXL3 kernel path, calls, tokens, when it last ran and which layers it served
+(attention, gdn = Gated DeltaNet projections, mlp, shared_expert, experts, lm_head, mtp, vision; most calls first).
 
 A path the plugin latched off, and calls that fell back (to the reference decoder), are red: they
 are the first thing to look at when tokens/s is lower than expected.
@@ -57,6 +58,12 @@ class KernelPanel(Widget):
         table.add_column("seen", justify="right", no_wrap=True)
         table.add_column("state", no_wrap=True)
         problems: list[Text] = []
+        # Below the table, where it can wrap: which layers each path served (calls per role).
+        served = [
+            Text.assemble((f"{entry.path} served ", "dim"), ", ".join(f"{role} {n:,}" for role, n in entry.roles.items()))
+            for entry in counts.paths
+            if entry.roles
+        ]
         for entry in counts.paths:
             bad = entry.state != "ok"
             style = "bold red" if bad else ("" if entry.calls else "bright_black")
@@ -75,4 +82,4 @@ class KernelPanel(Widget):
                 problems.append(Text(f"{entry.path} {entry.state}: {entry.reason or '?'}", style="red"))
         plural = "es" if counts.processes != 1 else ""
         footer = Text(f"{counts.processes} engine process{plural} reporting", style="dim")
-        return Group(table, *problems, footer)
+        return Group(table, *served, *problems, footer)
