@@ -110,6 +110,7 @@ SCHEMA: dict[str, dict[str, Callable[[object], Any]]] = {
         "reasoning_parser": _str,
         "enable_auto_tool_choice": _bool,
         "attention_backend": _str,
+        "language_model_only": _bool,  # multimodal checkpoints: skip the vision tower (less memory, text only)
         "extra_args": _str_list,
     },
     "env": {},  # any NAME = "value"; checked by _env_value

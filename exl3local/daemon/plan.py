@@ -17,7 +17,7 @@ from typing import Any
 
 from exl3local import env, errors, manifest
 from exl3local.api.protocol import UpRequest
-from exl3local.engine import launch
+from exl3local.engine import launch, model_fit
 from exl3local.machine import budget, hardware
 from exl3local.machine.select import select
 from exl3local.models import store
@@ -80,15 +80,19 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     machine = select(req.profile, req.overrides, sysfs_root)
     prof = machine.profile
     model_dir, label = store.resolve(req.model, req.demo, prof)
-    bud = machine.fit(read_checkpoint(model_dir), mem)
+    engine_python = python or env.ENGINE_PYTHON.get() or sys.executable
+    man = read_checkpoint(model_dir)
+    fitted = model_fit.fit(prof, man, torchvision_missing=model_fit.torchvision_missing(engine_python))
+    prof = fitted.profile
+    bud = machine.fit(man, mem, prof)
     port = req.port or engine_port()
     if not check_port(ENGINE_HOST, port):
         raise errors.ConfigError(f"port {port} on {ENGINE_HOST} is already in use, so vLLM cannot listen there",
                                  hint=f"free port {port}, or choose another with `exl3local up --port N`")
     tmpdir = tempfile.mkdtemp(prefix="exl3local-engine-")
     spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=ENGINE_HOST, gpu=machine.gpu,
-                        gpus=machine.device.gpus, python=python or env.ENGINE_PYTHON.get() or sys.executable)
+                        gpus=machine.device.gpus, python=engine_python)
     key = (str(model_dir), json.dumps(prof.to_json(), sort_keys=True), port)
     return Plan(key=key, model_label=label, model_dir=model_dir, profile=prof,
-                profile_reason=f"{machine.reason}; device: {machine.device.reason}", gpu=machine.gpu, budget=bud,
-                spec=spec)
+                profile_reason="; ".join([machine.reason, f"device: {machine.device.reason}", *fitted.notes]),
+                gpu=machine.gpu, budget=bud, spec=spec)

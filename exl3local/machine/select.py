@@ -31,9 +31,11 @@ class Selection:
     def gpu(self) -> hardware.GpuInfo:
         return self.device.gpu
 
-    def fit(self, checkpoint: budget.CheckpointLike, mem: budget.MemorySnapshot | None = None) -> budget.Budget:
-        """The KV budget of `checkpoint` on this device and profile; BudgetError when it does not fit."""
-        return budget.compute(self.gpu, mem or budget.MemorySnapshot.now(), checkpoint, self.profile)
+    def fit(self, checkpoint: budget.CheckpointLike, mem: budget.MemorySnapshot | None = None,
+            profile: profiles.Profile | None = None) -> budget.Budget:
+        """The KV budget of `checkpoint` on this device and profile (or the profile as adjusted for this
+        model, engine.model_fit); BudgetError when it does not fit."""
+        return budget.compute(self.gpu, mem or budget.MemorySnapshot.now(), checkpoint, profile or self.profile)
 
 
 def find_device(sysfs_root: Path | None = None) -> Device:
