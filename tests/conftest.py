@@ -17,7 +17,10 @@ from sysfs_trees import MACHINES  # noqa: E402 - tests/support is on the path fr
 
 SHARED = Path(os.environ.get("EXL3LOCAL_SHARED", REPO.parent / "shared"))
 FIXTURES = SHARED / "fixtures"
-TINY_MODELS = ("tiny-llama-exl3-4.0bpw", "tiny-llama-exl3-2.5bpw", "tiny-qwen3moe-exl3-4.0bpw")
+TINY_MODELS = (
+    "tiny-llama-exl3-4.0bpw", "tiny-llama-exl3-2.5bpw", "tiny-qwen3moe-exl3-4.0bpw", "tiny-qwen35moe-exl3-4.0bpw",
+    "tiny-qwen35-exl3-4.0bpw", "tiny-qwen35moe-vl-exl3-4.0bpw", "tiny-qwen35-vl-mtp-exl3-4.0bpw",
+)
 
 
 @pytest.fixture(scope="session")
