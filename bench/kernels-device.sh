@@ -21,7 +21,7 @@ if [ ! -f /tmp/ext/exllamav3_ext.so ]; then
 fi
 bench() { (cd /tmp && python3 -P "$REPO/bench/kernels.py" --out "$OUT" "$@"); }
 (cd /tmp && python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
-  "$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_triton_moe.py 2>&1 | tail -4)
+  "$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_bound.py 2>&1 | tail -15)
 echo "tests done at +$(( $(date +%s) - start )) s"
 # While nvcc runs: our kernels alone (config sweep; also compiles what the timed run needs).
 [ -n "$BUILD" ] && bench --no-exl3 --tag sweep --sections breakdown,decode --deadline $(( start + 290 )) >"$OUT/sweep.log" 2>&1

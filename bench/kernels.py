@@ -20,6 +20,7 @@ import time
 import torch
 
 from exl3local.kernels import KernelSpec, prepare, reference
+from exl3local.kernels.bound import BoundLinear, FusedLaunch, bind_moe
 from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER
 from exl3local.kernels.triton_decode import decode_dense
 from exl3local.kernels.triton_gemm import reconstruct_gemm, right_reconstruct
@@ -61,6 +62,46 @@ def timed(fn, graph: bool = False) -> float:
     if graph:
         return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
     return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def host_us(fn, calls: int = 100) -> float:
+    """Host (CPU) µs per call while the GPU is kept busy, so no call waits on the device."""
+    if DEVICE[0] == "cpu":
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(40_000_000)  # ~20 ms of GPU work queued ahead of the calls
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def launches(fn) -> int:
+    """Device work items (kernels, memsets, copies) one call enqueues, from the CUDA profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEVICE[0] == "cpu":
+        return -1
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def bound_linear(trellis, suh, svh, bits, codebook, fuse_input=True):
+    """What the plugin binds per layer (one part), as bench callables take it."""
+    k, n = suh.shape[0], svh.shape[0]
+    kernel = prepare(KernelSpec(k, n, bits, codebook, torch.float16), trellis.device, "triton")
+    bound = BoundLinear([(kernel, trellis, suh, svh, n)], k)
+    if not fuse_input:
+        bound.launches = [(FusedLaunch(trellis, suh, svh, bits, codebook, fuse_input=False), 0, n)]
+    bound.reserve()
+    return bound
 
 
 def make_layer(size_k, size_n, bits, codebook, seed=0, experts=None):
@@ -139,9 +180,13 @@ def check_correctness(exl3: Exl3) -> None:
             reference.decode_trellis(trellis, bits, cb).view(torch.int16))
         kernel = prepare(KernelSpec(k, n, bits, cb, torch.float16), DEVICE[0], "triton")
         row = dict(kind="correct", k=k, n=n, bits=bits, codebook=cb, decode_bit_exact=exact)
+        bound = bound_linear(trellis, suh, svh, bits, cb)
         for m in (1, 5, 16, 300):
             x = torch.randn(m, k, device=DEVICE[0]).half()
             y = kernel.apply(x, trellis, suh, svh)
+            if m <= 16:  # the bound launch (second call: the direct launcher) gives apply's bits exactly
+                bound(x)
+                row[f"bound_equal_m{m}"] = bool(bound(x).view(torch.int16).equal(y.view(torch.int16)))
             ref = reference.linear(x.float(), trellis, suh, svh, bits, cb)
             row[f"rel_ref_m{m}"] = rel(y, ref)
             lin = exl3.linear(trellis, suh, svh, cb)
@@ -154,35 +199,78 @@ def check_correctness(exl3: Exl3) -> None:
 def bench_decode(exl3: Exl3, shapes, bits_list, codebooks, rows_list, copy_gbps, graphs=True) -> None:
     log("\n== decode (few rows) ==")
     log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>3} | {'ours':>7} {'exl3':>7} {'torch':>7} {'ratio':>6} | "
-        f"{'ours_g':>7} {'exl3_g':>7} {'ratio_g':>7} | {'bw_floor':>8}")
+        f"{'ours_g':>7} {'exl3_g':>7} {'ratio_g':>7} | {'bw_floor':>8} | graph µs: 2-launch (input apart), v3 (3 launches)")
     for k, n in shapes:
         w16 = torch.randn(k, n, device=DEVICE[0]).half()
         for cb in codebooks:
             for bits in bits_list:
                 trellis, suh, svh = make_layer(k, n, bits, cb, seed=bits)
-                kernel = prepare(KernelSpec(k, n, bits, cb, torch.float16), DEVICE[0], "triton")
+                bound = bound_linear(trellis, suh, svh, bits, cb)
+                two = bound_linear(trellis, suh, svh, bits, cb, fuse_input=False)
                 lin = exl3.linear(trellis, suh, svh, cb)
                 floor = k * n * bits / 8 / copy_gbps / 1e3
                 for m in rows_list:
                     if late():
                         return
                     x = torch.randn(m, k, device=DEVICE[0]).half()
-                    ours = lambda: kernel.apply(x, trellis, suh, svh)  # noqa: E731
+                    ours = lambda: bound(x)  # noqa: E731
                     row = dict(kind="decode", k=k, n=n, codebook=cb, bits=bits, m=m, bw_floor_us=floor,
                                ours_us=timed(ours), torch_us=timed(lambda: x @ w16))
                     if lin is not None:
                         row["exl3_us"] = timed(lambda: lin.forward(x, {}))
                     if graphs:
                         row["ours_graph_us"] = timed(ours, graph=True)
+                        row["two_launch_graph_us"] = timed(lambda: two(x), graph=True)
+                        row["v3_graph_us"] = timed(lambda: gemv(x, trellis, suh, svh, bits, cb), graph=True)
                         if lin is not None:
                             row["exl3_graph_us"] = timed(lambda: lin.forward(x, {}), graph=True)
                     RESULTS.append(row)
                     e, eg = row.get("exl3_us", float("nan")), row.get("exl3_graph_us", float("nan"))
                     og = row.get("ours_graph_us", float("nan"))
+                    nan = float("nan")
                     log(f"{k:>5}x{n:<6} {cb:>5} {bits:>3} {m:>3} | {row['ours_us']:7.1f} {e:7.1f} "
                         f"{row['torch_us']:7.1f} {e / row['ours_us']:6.2f} | {og:7.1f} {eg:7.1f} {eg / og:7.2f} | "
-                        f"{floor:8.1f}")
+                        f"{floor:8.1f} | two {row.get('two_launch_graph_us', nan):6.1f} v3 {row.get('v3_graph_us', nan):6.1f}")
         del w16
+
+
+def bench_host(exl3: Exl3, shapes) -> None:
+    """Host µs per call with the GPU busy, and device work items per call: ours bound (what the plugin
+    should call), ours through kernel.apply, v3 (three launches), exllamav3. mul1 K4."""
+    log("\n== host cost per linear (µs of CPU per call, GPU kept busy) and launches per call ==")
+    for k, n in shapes:
+        trellis, suh, svh = make_layer(k, n, 4, "mul1", seed=4)
+        bound = bound_linear(trellis, suh, svh, 4, "mul1")
+        kernel = prepare(KernelSpec(k, n, 4, "mul1", torch.float16), DEVICE[0], "triton")
+        lin = exl3.linear(trellis, suh, svh, "mul1")
+        for m in (1, 16):
+            x = torch.randn(m, k, device=DEVICE[0]).half()
+            calls = {"bound": lambda: bound(x), "apply": lambda: kernel.apply(x, trellis, suh, svh),
+                     "v3": lambda: gemv(x, trellis, suh, svh, 4, "mul1")}
+            if lin is not None:
+                calls["exl3"] = lambda: lin.forward(x, {})
+            row = dict(kind="host", k=k, n=n, m=m)
+            for name, fn in calls.items():
+                row[f"{name}_host_us"] = host_us(fn)
+                row[f"{name}_launches"] = launches(fn)
+            RESULTS.append(row)
+            log(f"{k}x{n} M={m}: " + ", ".join(f"{name} {row[f'{name}_host_us']:.1f} µs/{row[f'{name}_launches']} launches"
+                                              for name in calls))
+    e_count, hidden, inter, top_k = MOE["experts"], MOE["hidden"], MOE["intermediate"], MOE["top_k"]
+    gate = make_layer(hidden, inter, 4, "mul1", seed=1, experts=e_count)
+    bound = bind_moe(*gate, 4, "mul1")
+    for tokens in (1, 4):
+        ids = torch.randperm(e_count, device=DEVICE[0])[:tokens * top_k].view(tokens, top_k)
+        x = torch.randn(tokens, hidden, device=DEVICE[0]).half()
+        calls = {"bound": lambda: moe_decode(x, *gate, 4, "mul1", ids, bound=bound),
+                 "unbound": lambda: moe_decode(x, *gate, 4, "mul1", ids)}
+        row = dict(kind="host_moe", tokens=tokens)
+        for name, fn in calls.items():
+            row[f"{name}_host_us"] = host_us(fn)
+            row[f"{name}_launches"] = launches(fn)
+        RESULTS.append(row)
+        log(f"MoE one projection T={tokens}: " + ", ".join(
+            f"{name} {row[f'{name}_host_us']:.1f} µs/{row[f'{name}_launches']} launches" for name in calls))
 
 
 def bench_breakdown(shapes, bits_list=(2, 3, 4, 6, 8)) -> None:
@@ -335,17 +423,20 @@ def bench_moe(exl3: Exl3, codebooks=("mul1",), bits=4) -> None:
             x = torch.randn(tokens, hidden, device=DEVICE[0]).half()
             a = torch.randn(tokens * top_k, inter, device=DEVICE[0]).half()
 
+            bound = [bind_moe(*p, bits, cb) for p in (gate, up, down)]
+
             def ours():
-                moe_decode(x, *gate, bits, cb, ids)
-                moe_decode(x, *up, bits, cb, ids)
-                moe_decode(a, *down, bits, cb, ids)
+                moe_decode(x, *gate, bits, cb, ids, bound=bound[0])
+                moe_decode(x, *up, bits, cb, ids, bound=bound[1])
+                moe_decode(a, *down, bits, cb, ids, bound=bound[2])
 
             # correctness of one unit against the reference
             y = moe_decode(x, *gate, bits, cb, ids)
             e0 = int(ids[0, 0])
             ref = reference.linear(x[:1].float(), gate[0][e0], gate[1][e0], gate[2][e0], bits, cb)
             row = dict(kind="moe", codebook=cb, bits=bits, tokens=tokens, rel_ref=rel(y[0, 0:1], ref),
-                       ours_us=timed(ours), ours_graph_us=timed(ours, graph=True))
+                       ours_us=timed(ours), ours_graph_us=timed(ours, graph=True), ours_host_us=host_us(ours),
+                       ours_launches=launches(ours))
             if ptrs is not None:
                 slots = tokens * top_k
                 flat = ids.reshape(1, slots).long()
@@ -367,6 +458,8 @@ def bench_moe(exl3: Exl3, codebooks=("mul1",), bits=4) -> None:
                     row["exl3_rel_ref"] = rel(unit0, ref)
                     row["exl3_us"] = timed(theirs)
                     row["exl3_graph_us"] = timed(theirs, graph=True)
+                    row["exl3_host_us"] = host_us(theirs)
+                    row["exl3_launches"] = launches(theirs)
                 except Exception as exc:  # noqa: BLE001 -- report, keep benchmarking
                     row["exl3_error"] = f"{type(exc).__name__}: {exc}"
             RESULTS.append(row)
@@ -427,6 +520,8 @@ def main() -> int:
     try:
         if due("correct"):
             check_correctness(exl3)
+        if due("host") and DEVICE[0] == "cuda":
+            bench_host(exl3, shapes)
         if due("decode"):
             bench_decode(exl3, shapes, (4,) if args.quick else DECODE_BITS, ("mul1", "3inst"), DECODE_ROWS, copy_gbps)
         if due("reconstruct"):

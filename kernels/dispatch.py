@@ -8,6 +8,9 @@ prepares and applies in one go (tests, benches, one-off use).
     kernel = prepare(spec, device)            # raises NoKernelError listing every refusal
     path = kernel.path_for(rows)              # KernelPath for the trace, no side effects
     y = kernel.apply(x, trellis, suh, svh, bias)
+
+Layers that run many times bind their tensors once (kernels/bound.py): `bind_linear(parts, in_features,
+bias)` returns a callable x -> y that launches one fused kernel per part for decode batches.
 """
 
 from __future__ import annotations
@@ -134,17 +137,23 @@ class TorchReferenceKernel(Exl3Kernel):
 
 # Row-count crossover of TritonLinearKernel, measured on the H200 by bench/kernels.py (docs/PERF.md);
 # unmeasured on Arc, where the same constant is a first guess.
-GEMV_MAX_ROWS = 16  # one 16-row dot tile (one row: the FMA ring kernel at some rates), triton_gemv.gemv
+GEMV_MAX_ROWS = 16  # one 16-row dot tile: triton_fused, one launch per projection
 # From 17 rows the dense W_r once per call + vendor matmul (triton_gemm) serves: row tiles decoded on chip
 # (gemv with a 32/64-row tile) lost to it at every M >= 32 measured (5120x17408: 274 vs 209 µs at M=32,
 # 492 vs 207 at 64, 841 vs 208 at 128; docs/perf/h200-v3-bench.log).
 
 
 class TritonLinearKernel(Exl3Kernel):
-    """Triton: GEMV (Ŵ decoded in registers) for few rows, dense reconstruct + vendor matmul for more
-    (triton_gemv.py / triton_gemm.py)."""
+    """Triton: the fused one-launch GEMV (Ŵ decoded in registers) for few rows, dense reconstruct + vendor
+    matmul for more (triton_fused.py / triton_gemm.py)."""
 
     backend = "triton"
+
+    def __init__(self, spec: KernelSpec, device: DeviceInfo) -> None:
+        super().__init__(spec, device)
+        # apply()'s tensors bound once per distinct set (a layer passes the same views every call); the
+        # launch holds the tensors, so a cached address cannot be reused by another tensor.
+        self.bound: dict[tuple, object] = {}
 
     @classmethod
     def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
@@ -165,7 +174,7 @@ class TritonLinearKernel(Exl3Kernel):
         return KernelPath.GEMV if rows <= GEMV_MAX_ROWS else KernelPath.RECONSTRUCT_GEMM
 
     def apply(self, x, trellis, suh, svh, bias=None):
-        from exl3local.kernels import triton_gemm, triton_gemv
+        from exl3local.kernels import triton_gemm
 
         spec = self.spec
         if x.shape[-1] != spec.size_k:
@@ -178,10 +187,21 @@ class TritonLinearKernel(Exl3Kernel):
         if x2d.shape[0] == 0:
             y = x2d.new_empty(0, spec.size_n)
         elif path is KernelPath.GEMV:
-            y = triton_gemv.gemv(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
+            y = torch.empty(x2d.shape[0], spec.size_n, dtype=x.dtype, device=x.device)
+            self.launch_for(trellis, suh, svh, bias).launch(x2d, y, x2d.shape[0])
         else:
             y = triton_gemm.reconstruct_gemm(x2d, trellis, suh, svh, spec.bits, spec.codebook, bias)
         return y.reshape(*lead, spec.size_n)
+
+    def launch_for(self, trellis, suh, svh, bias):
+        """The fused launch bound to these tensors (made on first use)."""
+        from exl3local.kernels.bound import FusedLaunch
+
+        key = tuple((t.data_ptr(), t.shape, t.dtype) if t is not None else None for t in (trellis, suh, svh, bias))
+        launch = self.bound.get(key)
+        if launch is None:
+            launch = self.bound[key] = FusedLaunch(trellis, suh, svh, self.spec.bits, self.spec.codebook, bias)
+        return launch
 
 
 # Per device type, best first. On CPU the interpreter exists for correctness tests only and the

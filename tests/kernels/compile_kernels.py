@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from exl3local.kernels import triton_decode, triton_gemm, triton_gemv, triton_hadamard
+from exl3local.kernels import triton_decode, triton_fused, triton_gemm, triton_gemv, triton_hadamard
 from exl3local.kernels.hadamard import HADAMARD_SCALE
 
 # What an Xe2 GPU (Arc B-series, Arc 140V) reports to Intel's backend: 16-wide sub-groups, DPAS, 2D block IO
@@ -34,6 +34,10 @@ MATRIX_LAYOUT = {"cuda": "#ttg.nvidia_mma<", "xpu": "#triton_intel_gpu.dpas<"}
 DOT_OPS = ("tt.dot ", "ttng.warp_group_dot ")  # Hopper's wgmma form replaces tt.dot for 64-row tiles
 MATMUL_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "ids_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32",
                "tiles_n": "i32", "tk_per_split": "i32", "expert_words": "i32", "stride_zs": "i32"}
+FUSED_ARGS = {"x_ptr": "*bf16", "suh_ptr": "*fp16", "w_ptr": "*i32", "svh_ptr": "*fp16", "bias_ptr": "*fp16",
+              "ids_ptr": "*i64", "had_ptr": "*fp16", "y_ptr": "*bf16", "z_ptr": "*fp32", "cnt_ptr": "*i32",
+              **{name: "i32" for name in ("M", "size_k", "tiles_n", "stride_xm", "x_div", "k_valid", "stride_ym", "n_out",
+                                          "k_blocks", "blocks_per_split", "expert_words", "stride_zs")}}
 FMA_ARGS = {name: kind for name, kind in MATMUL_ARGS.items() if name not in ("ids_ptr", "expert_words")}
 BACKEND = ["cuda"]
 
@@ -85,6 +89,10 @@ def main() -> None:
         for block_m, has_ids in ((16, False), (64, False), (16, True)):
             compile_one(triton_gemv.exl3_ring_dot_kernel, MATMUL_ARGS,
                         dict(rate, HAS_IDS=has_ids, BM=block_m, BNT=block_nt, KT=block_kt), num_warps=warps)
+        for has_ids, split in ((False, True), (True, True), (False, False)):
+            compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
+                        dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, FUSE_INPUT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt),
+                        num_warps=warps)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS, dict(rate, BM=block_m, BNT=block_nt))
         compile_one(triton_gemm._right_reconstruct_kernel,

@@ -45,3 +45,38 @@ def test_full_shape_moe_units(make_layer, relative_error):
             e = int(ids[t, j])
             ref = reference.linear(x[t : t + 1].float(), trellis[e], suh[e], svh[e], 4, "mul1")
             assert relative_error(y[t, j : j + 1], ref) < 1e-3
+
+
+@pytest.mark.parametrize("size_k,size_n,bits,codebook", [(5120, 1024, 4, "mul1"), (17408, 5120, 3, "mcg"),
+                                                         (5120, 17408, 6, "3inst")])
+def test_bound_launch_equals_apply_and_replays_in_a_graph(make_layer, relative_error, size_k, size_n, bits, codebook):
+    """The direct launcher (second call on) gives the JIT launch's bits exactly, in eager calls and in a
+    captured CUDA graph replayed with new activations; split-K counters end at zero."""
+    from exl3local.kernels.bound import BoundLinear, Workspace
+
+    trellis, suh, svh = make_layer(size_k, size_n, bits, codebook, seed=3)
+    kernel = prepare(KernelSpec(size_k, size_n, bits, codebook, torch.float16), "cuda", "triton")
+    layer = BoundLinear([(kernel, trellis, suh, svh, size_n)], size_k)
+    layer.reserve()
+    for rows in (1, 7, 16):
+        x = torch.randn(rows, size_k, device="cuda").half()
+        layer(x)  # compiles (JIT path)
+        y = layer(x)
+        assert torch.equal(y, kernel.apply(x, trellis, suh, svh)), rows
+        ref = reference.linear(x.float(), trellis, suh, svh, bits, codebook)
+        assert relative_error(y, ref) < 1e-3, rows
+    x = torch.randn(4, size_k, device="cuda").half()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x)  # warm the capture stream's workspace and compiled kernel
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    for _ in range(3):
+        x.copy_(torch.randn(4, size_k, device="cuda").half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, kernel.apply(x, trellis, suh, svh))
+    assert all(int(ws.counters.abs().sum()) == 0 for ws in Workspace._live.values())

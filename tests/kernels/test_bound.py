@@ -1,0 +1,105 @@
+"""The fused one-launch kernel and its bound launches (kernels/triton_fused.py, kernels/bound.py) against the
+fp64 emulation and the reference: every super-lane width, split-K on and off, fused layers with padding,
+trim and bias, MoE units."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from exl3local.kernels import KernelSpec, prepare, reference
+from exl3local.kernels.bound import BoundLinear, FusedLaunch, Workspace, bind_moe, fused_splits
+from exl3local.kernels.triton_moe import moe_decode
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton on CPU needs TRITON_INTERPRET=1 (scripts/test sets it)",
+)
+FP32_NOISE = 2e-5  # as test_triton_linear: what is left against the emulation is fp32 accumulation noise
+
+
+def counters_clear() -> bool:
+    return all(int(ws.counters.abs().sum()) == 0 for ws in Workspace._live.values())
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 2), ("mcg", 3), ("mul1", 2.5)])
+def test_fused_matches_emulation_with_and_without_split_k(make_layer, emulate, relative_error, kernel_device,
+                                                          codebook, bits, splits):
+    trellis, suh, svh = make_layer(256, 256, bits, codebook, seed=3)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).to(kernel_device)
+    launch = FusedLaunch(trellis, suh, svh, bits, codebook)
+    launch.splits[1] = (splits, 2 // splits)  # 2 K blocks of 128: one split of two, or two of one
+    y = torch.empty(3, 256, device=kernel_device)
+    launch.launch(x, y, 3)
+    assert relative_error(y, emulate(x, trellis, suh, svh, bits, codebook)) < FP32_NOISE
+    assert counters_clear()  # the last split reset its block's counter for the next launch
+
+
+def test_split_count_covers_every_block_once():
+    device = torch.device("cpu")
+    for blocks, k_blocks in ((8, 40), (136, 40), (40, 136), (1, 1), (2000, 3)):
+        splits, per = fused_splits(blocks, k_blocks, device)
+        assert 1 <= splits <= k_blocks and (splits - 1) * per < k_blocks <= splits * per
+
+
+def test_fused_layer_pads_trims_and_adds_bias(make_layer, relative_error, kernel_device):
+    """A q/k/v-like layer: three parts with their own suh and bits share x (180 of 256 features given),
+    each keeps fewer columns than it stores, the bias covers the kept columns."""
+    in_features = 180
+    specs = [("mul1", 4, 100), ("3inst", 3, 256), ("mcg", 2, 60)]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, in_features, generator=g).to(kernel_device)
+    bias = torch.randn(sum(out for *_, out in specs), generator=g).to(kernel_device)
+    parts, expected = [], []
+    for i, (codebook, bits, out) in enumerate(specs):
+        trellis, suh, svh = make_layer(256, 256, bits, codebook, seed=10 + i)
+        kernel = prepare(KernelSpec(256, 256, bits, codebook, torch.float32), kernel_device, "triton")
+        parts.append((kernel, trellis, suh, svh, out))
+        padded = torch.nn.functional.pad(x, (0, 256 - in_features))
+        expected.append(reference.linear(padded.double(), trellis, suh, svh, bits, codebook)[:, :out])
+    expected = torch.cat(expected, -1) + bias.double()
+    layer = BoundLinear(parts, in_features, bias)
+    for launch, _, _ in layer.launches:
+        launch.splits[1] = (2, 1)
+    y = layer(x.view(1, 5, in_features))
+    assert y.shape == (1, 5, expected.shape[-1])
+    assert relative_error(y[0], expected) < 1e-3  # u is fp16 (~3e-4)
+    assert relative_error(layer.unfused(x), expected) < 1e-3
+    assert counters_clear()
+
+
+def test_more_rows_than_a_tile_take_the_reconstruct_path(make_layer, kernel_device):
+    trellis, suh, svh = make_layer(128, 128, 4, "mul1", seed=6)
+    kernel = prepare(KernelSpec(128, 128, 4, "mul1", torch.float32), kernel_device, "triton")
+    layer = BoundLinear([(kernel, trellis, suh, svh, 128)], 128)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(6)).to(kernel_device)
+    assert torch.equal(layer(x), kernel.apply(x, trellis, suh, svh))
+
+
+def test_bound_moe_projection_reroutes_by_device_ids(make_layer, relative_error, kernel_device):
+    trellis, suh, svh = make_layer(256, 128, 4, "mul1", seed=7, experts=4)
+    bound = bind_moe(trellis, suh, svh, 4, "mul1")
+    bound.splits[4] = (2, 1)  # 4 units: split-K with one counter per unit and column block
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(7)).to(kernel_device)
+    ids = torch.tensor([[3, 0], [1, 3]], device=kernel_device)
+    y = moe_decode(x, trellis, suh, svh, 4, "mul1", ids, bound=bound)
+    for t in range(2):
+        for j in range(2):
+            e = int(ids[t, j])
+            ref = reference.linear(x[t : t + 1].double(), trellis[e], suh[e], svh[e], 4, "mul1")
+            assert relative_error(y[t, j : j + 1], ref) < 1e-3
+    ids.copy_(torch.tensor([[0, 3], [3, 1]]))
+    again = moe_decode(x, trellis, suh, svh, 4, "mul1", ids, bound=bound)
+    assert torch.equal(again[0, 1], y[0, 0]) and torch.equal(again[1, 0], y[1, 1])
+    assert counters_clear()
+
+
+def test_outgrown_workspace_stays_allocated():
+    device = torch.device("cpu")
+    first = Workspace.get(device, 12345, 10, 2)
+    grown = Workspace.get(device, 12345, 1000, 2)
+    assert grown is not first and grown.partials.numel() >= 1000
+    assert any(ws is first for ws in Workspace._retired)  # a graph captured against it may still use it
