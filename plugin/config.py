@@ -8,6 +8,7 @@ headers only, so that costs milliseconds, and it keeps the pickled config small.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +33,10 @@ KNOWN_KEYS = frozenset(
 )  # fmt: skip
 # Fused vLLM layers and the checkpoint tensors they are built from, for models that do not declare
 # packed_modules_mapping themselves (every EXL3 checkpoint stores the parts separately, spec §6).
-DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+DEFAULT_PACKED = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
+    "qkv": ["q_proj", "k_proj", "v_proj"],  # Qwen3.5's vision attention (see get_checkpoint_weight_mapper)
+}  # fmt: skip
 
 
 @register_quantization_config(NAME)
@@ -109,6 +113,27 @@ class Exl3Config(QuantizationConfig):
             self._rename = hf_to_vllm_mapper.get_rename_mapper()
             self._index = self._dense = None
 
+    def get_checkpoint_weight_mapper(self) -> Any:
+        """Qwen3.5 vision towers as exllamav3 writes them: attention q/k/v quantized separately beside the
+        original fused bf16 `attn.qkv`. Serve the EXL3 parts as the shards of vLLM's fused qkv layer and
+        skip the bf16 copy, so the tower stays compressed."""
+        mapper = super().get_checkpoint_weight_mapper()
+        if not self._split_vision_qkv():
+            return mapper
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return mapper | WeightsMapper(
+            orig_to_new_regex={re.compile(r"\.attn\.qkv\.(weight|bias)$"): None},  # before the renames below
+            orig_to_new_stacked={f".attn.{p}_proj.": (".attn.qkv.", p) for p in "qkv"},
+        )
+
+    def _split_vision_qkv(self) -> bool:
+        quantized = self.manifest.quantized
+        return any(
+            prefix.endswith(".attn.q_proj") and f"{prefix[: -len('q_proj')]}qkv.weight" in self.manifest.unquantized
+            for prefix in quantized
+        )
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from vllm.model_executor.layers.fused_moe import RoutedExperts
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -175,12 +200,18 @@ class Exl3Config(QuantizationConfig):
         return self._dense
 
     def part_prefixes(self, prefix: str) -> list[str]:
-        """The checkpoint prefixes a vLLM layer is built from: [prefix], or the parts of a fused layer."""
-        head, _, leaf = prefix.rpartition(".")
-        parts = self.packed_modules_mapping.get(leaf) or DEFAULT_PACKED.get(leaf)
-        if not parts or prefix in self.groups():
+        """The checkpoint prefixes a vLLM layer is built from: [prefix], or the parts of a fused layer. The
+        model's own packing comes first; ours where the checkpoint stores EXL3 parts the model expects fused
+        (Qwen3.5's vision `qkv`, packed as itself by vLLM, is q/k/v_proj in EXL3 checkpoints)."""
+        if prefix in self.groups():
             return [prefix]
-        return [f"{head}.{p}" if head else p for p in parts]
+        head, _, leaf = prefix.rpartition(".")
+        candidates = [c for c in (self.packed_modules_mapping.get(leaf), DEFAULT_PACKED.get(leaf)) if c] or [[leaf]]
+        layouts = [[f"{head}.{p}" if head else p for p in parts] for parts in candidates]
+        for layout in layouts:
+            if all(p in self.groups() for p in layout):
+                return layout
+        return layouts[0]
 
     def _file(self) -> str:
         return str(self.checkpoint)
