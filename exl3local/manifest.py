@@ -288,9 +288,9 @@ def _text_roles(c: Mapping[str, Any], prefix: str) -> dict[str, tuple[int | None
     head_dim = _int(c, "head_dim") or (hidden // heads if hidden and heads else None)
     kv_out = _mul(_int(c, "num_key_value_heads") or heads, head_dim)
     q_out = _mul(heads, head_dim)
-    family = c.get("model_type")
+    family = c.get("model_type") if isinstance(c.get("model_type"), str) else None
     gated = c.get("attn_output_gate")
-    if gated is None:
+    if not isinstance(gated, bool):
         gated = True if family in GATED_Q_FAMILIES else (False if family in PLAIN_Q_FAMILIES else None)
     q_rows = None if gated is None else _mul(q_out, 2 if gated else 1)
     if ".experts." in prefix:
