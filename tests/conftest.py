@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 # Shared helpers for every test directory (`from private_user import make_box`). Only tests/support goes on
 # the path: tests/ itself holds directories named like packages (kernels, plugin) that must not shadow any.
 sys.path.append(str(Path(__file__).resolve().parent / "support"))
-from sysfs_trees import MACHINES  # noqa: E402 - tests/support is on the path from here on
+import fixture_models  # noqa: E402 - tests/support is on the path from here on
+from sysfs_trees import MACHINES  # noqa: E402
 
-SHARED = Path(os.environ.get("EXL3LOCAL_SHARED", REPO.parent / "shared"))
-FIXTURES = SHARED / "fixtures"
-TINY_MODELS = (
-    "tiny-llama-exl3-4.0bpw", "tiny-llama-exl3-2.5bpw", "tiny-qwen3moe-exl3-4.0bpw", "tiny-qwen35moe-exl3-4.0bpw",
-    "tiny-qwen35-exl3-4.0bpw", "tiny-qwen35moe-vl-exl3-4.0bpw", "tiny-qwen35-vl-mtp-exl3-4.0bpw",
-)
+FIXTURES = fixture_models.SHARED / "fixtures"
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +29,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, fixtures_dir: Path) ->
     """Each tiny EXL3 model untarred once per session: name -> checkpoint dir (read-only use)."""
     root = tmp_path_factory.mktemp("tiny_models")
     out = {}
-    for name in TINY_MODELS:
+    for name in fixture_models.names():
         with tarfile.open(fixtures_dir / "models" / name / f"{name}.tar") as tar:
             tar.extractall(root, filter="data")
         out[name] = root / name

@@ -27,6 +27,8 @@ TRACE_DIR_ENV = env.TRACE_DIR.name
 PARENT_PID_ENV = env.ENGINE_PARENT.name
 FALLBACK_CHAT_TEMPLATE = paths.bundled("demo", "chat_template.jinja")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+# Profile switches vLLM turns on unless told `--no-...`; the others are off unless given.
+VLLM_SWITCHES_ON_BY_DEFAULT = frozenset({"enable_prefix_caching"})
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ def vllm_args(profile: Any, budget: Any) -> list[str]:
         if isinstance(value, bool):
             if value:
                 out.append(_flag(key))
+            elif key in VLLM_SWITCHES_ON_BY_DEFAULT:
+                out.append("--no-" + _flag(key).removeprefix("--"))
         elif not (key == "kv_cache_dtype" and value == "auto"):
             out += [_flag(key), str(value)]
     if budget.pinned:

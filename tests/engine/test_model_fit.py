@@ -10,6 +10,10 @@ from exl3local import manifest, profiles
 from exl3local.engine import launch, model_fit, textonly
 from exl3local.machine import budget, hardware
 
+def _pinned_budget() -> budget.Budget:
+    return budget.Budget(kv_budget_bytes=2**26, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=256, pinned=True)
+
+
 MTP_SET = {"vllm.speculative_config": '{method="mtp", num_speculative_tokens=2}'}
 
 
@@ -30,6 +34,7 @@ def test_mtp_stays_and_vllm_cpu_loses_prefix_caching_on_a_hybrid_model_with_an_m
     assert '"mtp"' in fitted.profile.vllm["speculative_config"]
     assert fitted.profile.vllm["enable_prefix_caching"] is False
     assert any("prefix caching off" in note for note in fitted.notes)
+    assert "--no-enable-prefix-caching" in launch.vllm_args(fitted.profile, _pinned_budget())
     on_xpu = fit(tiny_models, "tiny-qwen35-vl-mtp-exl3-4.0bpw", MTP_SET, torchvision_missing=False, profile="b70")
     assert on_xpu.profile.vllm["enable_prefix_caching"] is True and on_xpu.notes == ()
 
@@ -50,7 +55,7 @@ def test_without_torchvision_the_engine_gets_the_stand_in_and_multimodal_models_
                          vl.profile)
     spec = launch.build(tiny_models["tiny-qwen35moe-vl-exl3-4.0bpw"], vl.profile, bud, port=18124,
                         tmpdir=str(tmp_path), base_env={"PATH": "/bin"})
-    assert "--language-model-only" in spec.argv
+    assert "--language-model-only" in spec.argv and "--no-enable-prefix-caching" not in spec.argv
     assert spec.env["PYTHONPATH"].startswith(str(textonly.SHIM_DIR))
 
 

@@ -10,16 +10,12 @@ import re
 import httpx
 import pytest
 
+import fixture_models
 from oracle import MEAN_KL_GATE, OpenAIEndpoint, OracleMatch, vocab_size
 from private_user import clean_box, make_box
 
 pytestmark = pytest.mark.slow
 
-QWEN35 = (
-    "tiny-qwen35moe-exl3-4.0bpw", "tiny-qwen35-exl3-4.0bpw", "tiny-qwen35moe-vl-exl3-4.0bpw",
-    "tiny-qwen35-vl-mtp-exl3-4.0bpw",
-)  # fmt: skip
-MTP_MODEL = "tiny-qwen35-vl-mtp-exl3-4.0bpw"
 # Small and fast: a 256-token context, a 64 MiB pinned KV pool, and every logprob of the 2048-token vocabulary.
 SETTINGS = ("--set", "model.max_model_len=256", "--set", "memory.kv_max_bytes=64MiB",
             "--set", 'vllm.extra_args=["--max-logprobs","2048"]')  # fmt: skip
@@ -63,7 +59,7 @@ def spec_decode_counter(box, name: str) -> float:
     return sum(values)
 
 
-@pytest.mark.parametrize("name", QWEN35)
+@pytest.mark.parametrize("name", fixture_models.qwen35_family())
 def test_up_serves_qwen35_and_matches_exllamav3(box, tiny_models, fixtures_dir, name):
     model_dir = tiny_models[name]
     status = up(box, model_dir)
@@ -84,9 +80,10 @@ def test_up_serves_qwen35_and_matches_exllamav3(box, tiny_models, fixtures_dir, 
         assert "image and video input off" in status["profile_reason"], status["profile_reason"]
 
 
-def test_mtp_drafts_are_proposed_and_leave_greedy_output_unchanged(box, tiny_models, fixtures_dir):
-    model_dir = tiny_models[MTP_MODEL]
-    oracle = fixtures_dir / "models" / MTP_MODEL / "oracle_logits.safetensors"
+@pytest.mark.parametrize("name", fixture_models.with_mtp_head())
+def test_mtp_drafts_are_proposed_and_leave_greedy_output_unchanged(box, tiny_models, fixtures_dir, name):
+    model_dir = tiny_models[name]
+    oracle = fixtures_dir / "models" / name / "oracle_logits.safetensors"
     plain = OracleMatch(endpoint(box, up(box, model_dir), model_dir), oracle)
     without = {seq: plain.greedy(seq) for seq in plain.sequences}
 
@@ -95,11 +92,11 @@ def test_mtp_drafts_are_proposed_and_leave_greedy_output_unchanged(box, tiny_mod
     match = OracleMatch(endpoint(box, status, model_dir), oracle)
     for seq in match.sequences:
         report = match.greedy_report(seq)
-        print(MTP_MODEL, "mtp", seq, json.dumps({k: report[k] for k in ("compared", "mismatch_step")}))
+        print(name, "mtp", seq, json.dumps({k: report[k] for k in ("compared", "mismatch_step")}))
         assert report["ours"] == without[seq], (seq, report["ours"], without[seq])
         assert report["mismatch_step"] is None, (seq, report)
     drafts = spec_decode_counter(box, "spec_decode_num_draft_tokens_total")
     accepted = spec_decode_counter(box, "spec_decode_num_accepted_tokens_total")
-    print(MTP_MODEL, f"MTP drafts proposed {drafts:.0f}, accepted {accepted:.0f}")
+    print(name, f"MTP drafts proposed {drafts:.0f}, accepted {accepted:.0f}")
     assert drafts > 0
     assert vllm_kv_tokens(box) > 0 and abs(status["kv_budget_tokens"] - vllm_kv_tokens(box)) <= 0.02 * vllm_kv_tokens(box)

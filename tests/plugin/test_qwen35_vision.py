@@ -14,7 +14,8 @@ from safetensors import safe_open
 from exl3local.engine import textonly
 from exl3local.plugin.linear import Exl3LinearMethod
 
-VL_MODELS = ("tiny-qwen35moe-vl-exl3-4.0bpw", "tiny-qwen35-vl-mtp-exl3-4.0bpw")
+import fixture_models
+
 # The tower is quantized at vision_bits 6: its output sits ~2 % from the original bf16 weights. A part in the
 # wrong place (k where q belongs) or a lost bias is off by ~100 %.
 QUANTIZATION_SPREAD = 0.05
@@ -33,7 +34,7 @@ def _torchvision_stand_in():
         yield
 
 
-@pytest.mark.parametrize("name", VL_MODELS)
+@pytest.mark.parametrize("name", fixture_models.with_vision_tower())
 def test_vision_tower_serves_its_exl3_linears(load_vllm_model, tiny_models, name):
     model = load_vllm_model(tiny_models[name])
     linears = {n: m for n, m in model.visual.named_modules() if hasattr(m, "quant_method") and "Linear" in type(m).__name__}
