@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 import fixture_models
-from oracle import MEAN_KL_GATE, OpenAIEndpoint, OracleMatch, vocab_size
+from oracle import MARGIN_GATE, MEAN_KL_GATE, OpenAIEndpoint, OracleMatch, vocab_size
 from private_user import clean_box, make_box
 
 pytestmark = pytest.mark.slow
@@ -93,8 +93,12 @@ def test_mtp_drafts_are_proposed_and_leave_greedy_output_unchanged(box, tiny_mod
     for seq in match.sequences:
         report = match.greedy_report(seq)
         print(name, "mtp", seq, json.dumps({k: report[k] for k in ("compared", "mismatch_step")}))
-        assert report["ours"] == without[seq], (seq, report["ours"], without[seq])
         assert report["mismatch_step"] is None, (seq, report)
+        # Drafts are verified two tokens per forward, which moves logits by float noise: the outputs must be equal
+        # up to the oracle's first near tie, where either choice is right.
+        margins = match.oracle[f"{seq}.greedy_margins"].tolist()
+        decided = next((i for i, m in enumerate(margins) if m < MARGIN_GATE), len(margins))
+        assert report["ours"][:decided] == without[seq][:decided], (seq, decided, report["ours"], without[seq])
     drafts = spec_decode_counter(box, "spec_decode_num_draft_tokens_total")
     accepted = spec_decode_counter(box, "spec_decode_num_accepted_tokens_total")
     print(name, f"MTP drafts proposed {drafts:.0f}, accepted {accepted:.0f}")
