@@ -76,7 +76,15 @@ def test_up_serves_qwen35_and_matches_exllamav3(box, tiny_models, fixtures_dir, 
     ours, engine = status["kv_budget_tokens"], vllm_kv_tokens(box)
     print(name, "KV tokens: budget", ours, "vLLM", engine)
     assert abs(ours - engine) <= 0.02 * engine, (ours, engine)
-    if "-vl-" in name:  # no torchvision here: the vision tower is skipped, and status says so
+    # The daemon's kernel-path counters say which path served the Gated DeltaNet projections and the experts.
+    kernels = httpx.get(f"http://{box.env['EXL3LOCAL_HOST']}/api/kernels", timeout=30).json()
+    served = {role for entry in kernels["paths"] for role in entry.get("roles", {})}
+    print(name, "kernel paths", {e["path"]: e["roles"] for e in kernels["paths"] if e.get("roles")})
+    assert {"gdn", "attention", "lm_head"} <= served, kernels
+    text = json.loads((model_dir / "config.json").read_text())
+    if "num_experts" in text.get("text_config", text):
+        assert {"experts", "shared_expert"} <= served, kernels
+    if "vision_config" in text:  # no torchvision here: the vision tower is skipped, and status says so
         assert "image and video input off" in status["profile_reason"], status["profile_reason"]
 
 
