@@ -20,7 +20,7 @@ import time
 import torch
 
 from exl3local.kernels import KernelSpec, prepare, reference
-from exl3local.kernels.bound import BoundLinear, FusedLaunch, bind_moe
+from exl3local.kernels.bound import BoundLinear, bind_moe
 from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER
 from exl3local.kernels.triton_decode import decode_dense
 from exl3local.kernels.triton_gemm import reconstruct_gemm, right_reconstruct
@@ -93,15 +93,33 @@ def launches(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def bound_linear(trellis, suh, svh, bits, codebook, fuse_input=True):
+def bound_linear(trellis, suh, svh, bits, codebook):
     """What the plugin binds per layer (one part), as bench callables take it."""
     k, n = suh.shape[0], svh.shape[0]
     kernel = prepare(KernelSpec(k, n, bits, codebook, torch.float16), trellis.device, "triton")
     bound = BoundLinear([(kernel, trellis, suh, svh, n)], k)
-    if not fuse_input:
-        bound.launches = [(FusedLaunch(trellis, suh, svh, bits, codebook, fuse_input=False), 0, n)]
     bound.reserve()
     return bound
+
+
+def host_profile(fn, calls: int = 300, top: int = 14) -> str:
+    """cProfile of `calls` calls with the GPU busy: where the host time of one call goes."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def make_layer(size_k, size_n, bits, codebook, seed=0, experts=None):
@@ -199,14 +217,13 @@ def check_correctness(exl3: Exl3) -> None:
 def bench_decode(exl3: Exl3, shapes, bits_list, codebooks, rows_list, copy_gbps, graphs=True) -> None:
     log("\n== decode (few rows) ==")
     log(f"{'shape':>12} {'cb':>5} {'K':>3} {'M':>3} | {'ours':>7} {'exl3':>7} {'torch':>7} {'ratio':>6} | "
-        f"{'ours_g':>7} {'exl3_g':>7} {'ratio_g':>7} | {'bw_floor':>8} | graph µs: 2-launch (input apart), v3 (3 launches)")
+        f"{'ours_g':>7} {'exl3_g':>7} {'ratio_g':>7} | {'bw_floor':>8} | v3 (3 launches) graph µs")
     for k, n in shapes:
         w16 = torch.randn(k, n, device=DEVICE[0]).half()
         for cb in codebooks:
             for bits in bits_list:
                 trellis, suh, svh = make_layer(k, n, bits, cb, seed=bits)
                 bound = bound_linear(trellis, suh, svh, bits, cb)
-                two = bound_linear(trellis, suh, svh, bits, cb, fuse_input=False)
                 lin = exl3.linear(trellis, suh, svh, cb)
                 floor = k * n * bits / 8 / copy_gbps / 1e3
                 for m in rows_list:
@@ -220,7 +237,6 @@ def bench_decode(exl3: Exl3, shapes, bits_list, codebooks, rows_list, copy_gbps,
                         row["exl3_us"] = timed(lambda: lin.forward(x, {}))
                     if graphs:
                         row["ours_graph_us"] = timed(ours, graph=True)
-                        row["two_launch_graph_us"] = timed(lambda: two(x), graph=True)
                         row["v3_graph_us"] = timed(lambda: gemv(x, trellis, suh, svh, bits, cb), graph=True)
                         if lin is not None:
                             row["exl3_graph_us"] = timed(lambda: lin.forward(x, {}), graph=True)
@@ -230,7 +246,7 @@ def bench_decode(exl3: Exl3, shapes, bits_list, codebooks, rows_list, copy_gbps,
                     nan = float("nan")
                     log(f"{k:>5}x{n:<6} {cb:>5} {bits:>3} {m:>3} | {row['ours_us']:7.1f} {e:7.1f} "
                         f"{row['torch_us']:7.1f} {e / row['ours_us']:6.2f} | {og:7.1f} {eg:7.1f} {eg / og:7.2f} | "
-                        f"{floor:8.1f} | two {row.get('two_launch_graph_us', nan):6.1f} v3 {row.get('v3_graph_us', nan):6.1f}")
+                        f"{floor:8.1f} | v3 {row.get('v3_graph_us', nan):6.1f}")
         del w16
 
 
@@ -256,6 +272,8 @@ def bench_host(exl3: Exl3, shapes) -> None:
             RESULTS.append(row)
             log(f"{k}x{n} M={m}: " + ", ".join(f"{name} {row[f'{name}_host_us']:.1f} µs/{row[f'{name}_launches']} launches"
                                               for name in calls))
+            if (k, n, m) == (*shapes[0], 1):
+                log(host_profile(calls["bound"]))
     e_count, hidden, inter, top_k = MOE["experts"], MOE["hidden"], MOE["intermediate"], MOE["top_k"]
     gate = make_layer(hidden, inter, 4, "mul1", seed=1, experts=e_count)
     bound = bind_moe(*gate, 4, "mul1")

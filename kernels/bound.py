@@ -1,19 +1,22 @@
-"""Launches bound once per layer: the fused EXL3 kernel (triton_fused) with its weights, grid, split-K and
+"""Launches bound once per layer: an EXL3 projection's two kernels (triton_hadamard's input transform, then
+triton_fused's decode matmul with the output transform in its epilogue) with weights, grids, split-K and
 scratch fixed at load time, so a decode call does no Python-side shape logic, no scratch allocation and
 no Triton argument binding.
 
-    bound = bind_projection(trellis, suh, svh, bits, codebook)    # once, e.g. in process_weights_after_loading
-    y = bound(x2d)                                                 # (rows <= 16, k) -> (rows, n), one launch
+    layer = BoundLinear([(kernel, trellis, suh, svh, out_features), ...], in_features, bias)   # once
+    y = layer(x)                                                  # (..., in_features) -> (..., Σ out_features)
+    proj = bind_moe(trellis, suh, svh, bits, codebook)            # MoE: triton_moe.moe_decode(..., bound=proj)
 
-Launching: the first call per argument signature (dtypes, pointer alignment) goes through Triton's JIT,
-which compiles and returns the compiled kernel; later calls hand the compiled kernel's launcher the
-argument list directly (pointers as ints; ints that vary per call are marked do_not_specialize in the
-kernel). Under TRITON_INTERPRET=1 every call goes through the interpreter.
+Launching (DirectLaunch): the first call per argument signature (dtypes, pointer alignment, the ints the
+kernel specialises on) goes through Triton's JIT, which compiles and returns the compiled kernel; later
+calls hand its launcher the argument list directly, pointers as ints. Ints that change per call are marked
+do_not_specialize in the kernels. Under TRITON_INTERPRET=1 (or with Triton's launch hooks set, e.g. by a
+profiler) every call goes through Triton's own launch path.
 
-Scratch: split-K partials and the per-block counters live in one workspace per (device, stream), shared by
-every bound projection on that stream (calls on one stream run in order). Counters start at zero and each
-launch's last program resets its own. A workspace that is outgrown is kept alive, not freed: a CUDA graph
-captured earlier may still point at it.
+Scratch: the input transform's output u, the split-K partials and the per-block counters live in one
+workspace per (device, stream), shared by every bound projection on that stream (calls on one stream run
+in order). Counters start at zero and each launch's last program resets its own. A workspace that is
+outgrown is kept allocated, not freed: a CUDA graph captured earlier may still point at it.
 """
 
 from __future__ import annotations
@@ -26,78 +29,141 @@ import triton
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, HADAMARD_SCALE
 from exl3local.kernels.triton_decode import rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel
-from exl3local.kernels.triton_gemv import SPLIT_TARGET_PROGRAMS_PER_CORE, compute_units, ring_dot_config
-from exl3local.kernels.triton_hadamard import NATURAL, hadamard_operands, input_transform
+from exl3local.kernels.triton_gemv import (
+    DOT_ONE_ROW_BITS, SPLIT_TARGET_PROGRAMS_PER_CORE, choose_splits, compute_units, exl3_gemv_ring_kernel, ring_config,
+    ring_dot_config,
+)
+from exl3local.kernels.triton_hadamard import NATURAL, _input_kernel, hadamard_operands, rows_per_program
 
 MAX_ROWS = 16  # one dot tile of rows; more rows go to the reconstruct path (dispatch.GEMV_MAX_ROWS)
 BLOCK_N = FUSED_BLOCK_N_TILES * 16
-ARG_NAMES = tuple(inspect.signature(exl3_fused_kernel.fn).parameters)
-X, IDS, Y, Z, CNT, M, STRIDE_XM, STRIDE_YM, STRIDE_ZS = (
-    ARG_NAMES.index(name) for name in ("x_ptr", "ids_ptr", "y_ptr", "z_ptr", "cnt_ptr", "M", "stride_xm", "stride_ym",
-                                       "stride_zs"))
-
-
-def interpreting() -> bool:
-    return not isinstance(exl3_fused_kernel, triton.runtime.JITFunction)
 
 
 def fused_splits(blocks: int, k_blocks: int, device: torch.device) -> tuple[int, int]:
     """(splits, 128-row K blocks per split): about SPLIT_TARGET_PROGRAMS_PER_CORE programs per compute unit,
     with no empty split."""
     want = max(1, min(k_blocks, round(SPLIT_TARGET_PROGRAMS_PER_CORE * compute_units(device) / blocks)))
-    per = triton.cdiv(k_blocks, want)
-    return triton.cdiv(k_blocks, per), per
+    per = -(-k_blocks // want)
+    return -(-k_blocks // per), per
 
 
 class Workspace:
-    """Split-K partials (fp32) and block counters (int32, zeroed) for one (device, stream)."""
+    """u (fp16), split-K partials (fp32) and block counters (int32, zeroed) for one (device, stream)."""
 
     _live: dict[tuple[torch.device, int], Workspace] = {}
     _retired: list[Workspace] = []  # outgrown, kept allocated for graphs captured against them
 
-    def __init__(self, device: torch.device, partials: int, counters: int) -> None:
+    def __init__(self, device: torch.device, inputs: int, partials: int, counters: int) -> None:
+        self.inputs = torch.empty(max(inputs, 1), dtype=torch.float16, device=device)
         self.partials = torch.empty(max(partials, 1), dtype=torch.float32, device=device)
         self.counters = torch.zeros(max(counters, 1), dtype=torch.int32, device=device)
+        self.inputs_ptr, self.partials_ptr = self.inputs.data_ptr(), self.partials.data_ptr()
+        self.counters_ptr = self.counters.data_ptr()
+        self.sizes = (self.inputs.numel(), self.partials.numel(), self.counters.numel())
+
+    def holds(self, inputs: int, partials: int, counters: int) -> bool:
+        return self.sizes[0] >= inputs and self.sizes[1] >= partials and self.sizes[2] >= counters
 
     @classmethod
-    def get(cls, device: torch.device, stream: int, partials: int, counters: int) -> Workspace:
+    def get(cls, device: torch.device, stream: int, inputs: int, partials: int, counters: int) -> Workspace:
         ws = cls._live.get((device, stream))
-        if ws is None or ws.partials.numel() < partials or ws.counters.numel() < counters:
-            if ws is not None:
-                cls._retired.append(ws)
-                partials = max(partials, ws.partials.numel())
-                counters = max(counters, ws.counters.numel())
-            ws = cls._live[(device, stream)] = Workspace(device, partials, counters)
+        if ws is not None and ws.holds(inputs, partials, counters):
+            return ws
+        if ws is not None:
+            cls._retired.append(ws)
+            inputs = max(inputs, ws.inputs.numel())
+            partials = max(partials, ws.partials.numel())
+            counters = max(counters, ws.counters.numel())
+        ws = cls._live[(device, stream)] = Workspace(device, inputs, partials, counters)
         return ws
 
 
+def hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: None or an empty HookChain (Triton >= 3.6) is not."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class DirectLaunch:
+    """One Triton kernel launched with its compiled launcher once compiled (see the module doc)."""
+
+    def __init__(self, fn, varying: tuple[str, ...], interpret: bool, **options) -> None:
+        self.fn = fn
+        self.names = tuple(inspect.signature(fn.fn).parameters)
+        self.varying = varying
+        self.slots = [self.names.index(name) for name in varying]
+        self.options = options
+        self.compiled: dict[tuple, tuple] = {}
+        # Triton's launch hooks (profilers) run only through its own path; a Triton without `knobs` always takes
+        # it (nothing is ever put in `compiled`), and so does the interpreter.
+        self.hooks = None if interpret else getattr(getattr(triton, "knobs", None), "runtime", None)
+
+    def __call__(self, grid: tuple[int, int, int], stream: int, key: tuple, fixed: dict, tensors: tuple,
+                 values: tuple) -> None:
+        """Launch with `fixed` (the same for every call with this key) and the per-call arguments named by
+        `varying`: as tensors and ints (`tensors`, for Triton's path) and as addresses and ints (`values`)."""
+        entry = self.compiled.get(key)
+        hooks = self.hooks
+        if entry is None or hooked(hooks.launch_enter_hook) or hooked(hooks.launch_exit_hook):
+            args = dict(fixed, **dict(zip(self.varying, tensors)))
+            kernel = self.fn[grid](**args, **self.options)
+            if hooks is not None and hasattr(kernel, "packed_metadata") and \
+                    len(getattr(kernel.src, "signature", ())) == len(self.names):
+                template = [args[name] for name in self.names]
+                template = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in template]
+                self.compiled[key] = (kernel, template)
+            return
+        kernel, template = entry
+        args = template.copy()
+        for slot, value in zip(self.slots, values):
+            args[slot] = value
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+
+
+INPUT_VARYING = ("x_ptr", "ids_ptr", "u_ptr", "M", "stride_xm")
+FUSED_VARYING = ("u_ptr", "ids_ptr", "y_ptr", "z_ptr", "cnt_ptr", "M", "stride_ym", "stride_zs")
+FMA_VARYING = ("u_ptr", "y_ptr", "z_ptr", "cnt_ptr", "M", "stride_ym", "stride_zs")
+
+
 class FusedLaunch:
-    """exl3_fused_kernel with one projection's weights bound; `launch` fills in the per-call arguments."""
+    """One projection (or, with experts=True, one projection of every expert, stacked) bound: `launch` runs
+    the input transform and the decode matmul with the output transform in its epilogue: the ring dot kernel
+    (triton_fused), or for one row at rates other than DOT_ONE_ROW_BITS the FMA ring kernel (triton_gemv),
+    which measured faster there."""
 
     def __init__(self, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str,
-                 bias: torch.Tensor | None = None, experts: bool = False, fuse_input: bool = True) -> None:
+                 bias: torch.Tensor | None = None, experts: bool = False) -> None:
         self.device = trellis.device
         self.size_k = trellis.shape[-3] * 16
         self.size_n = trellis.shape[-2] * 16
         self.k_blocks = self.size_k // HADAMARD_BLOCK
         self.n_blocks = self.size_n // BLOCK_N
-        _, block_kt, self.num_warps = ring_dot_config(bits)
+        _, block_kt, num_warps = ring_dot_config(bits)
         self.experts = experts
-        self.constexprs = dict(rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
-                               FUSE_INPUT=fuse_input, SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt)
-        self.fuse_input = fuse_input
-        # Keep the bound tensors referenced: the argument list below may hold only their addresses.
-        self.tensors = dict(suh_ptr=suh, w_ptr=words(trellis), svh_ptr=svh, bias_ptr=bias if bias is not None else svh,
-                            had_ptr=hadamard_operands(self.device)[NATURAL.value])
-        self.expert_words = trellis[0].numel() // 2 if experts else 0
-        self.interpret = interpreting() or self.device.type == "cpu"
-        # Triton's launch hooks (profilers) run only through the JIT path; a Triton without `knobs` always takes it.
-        self.hooks = None if self.interpret else getattr(getattr(triton, "knobs", None), "runtime", None)
-        self.compiled: dict[tuple, object] = {}
+        interpret = not isinstance(exl3_fused_kernel, triton.runtime.JITFunction) or self.device.type == "cpu"
+        self.input = DirectLaunch(_input_kernel, INPUT_VARYING, interpret)
+        self.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, interpret, num_warps=num_warps, num_stages=1)
+        self.fma = None if experts or bits in DOT_ONE_ROW_BITS else DirectLaunch(exl3_gemv_ring_kernel, FMA_VARYING,
+                                                                                  interpret)
+        # Keep the bound tensors referenced: the compiled argument lists hold only their addresses.
+        self.input_fixed = dict(suh_ptr=suh, had_ptr=hadamard_operands(self.device)[NATURAL.value],
+                                size_k=self.size_k, HAS_IDS=experts, SCALE=HADAMARD_SCALE)
+        self.fused_fixed = dict(w_ptr=words(trellis), svh_ptr=svh, bias_ptr=bias if bias is not None else svh,
+                                tiles_n=self.size_n // 16, k_blocks=self.k_blocks,
+                                expert_words=trellis[0].numel() // 2 if experts else 0,
+                                **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
+                                SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt)
+        self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
+                              size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
+                              EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
+        self.bits = bits
         self.splits: dict[int, tuple[int, int]] = {}
-        if not self.interpret:
-            self.stream_of = triton.runtime.driver.active.get_current_stream
-            self.device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.plans: dict[tuple, tuple] = {}
+        self.stream = (lambda: 0) if interpret else self._stream_getter()
+
+    def _stream_getter(self):
+        get = triton.runtime.driver.active.get_current_stream
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return lambda: get(index)
 
     def split_for(self, m_blocks: int) -> tuple[int, int]:
         split = self.splits.get(m_blocks)
@@ -105,64 +171,76 @@ class FusedLaunch:
             split = self.splits[m_blocks] = fused_splits(m_blocks * self.n_blocks, self.k_blocks, self.device)
         return split
 
-    def reserve(self, rows: int) -> None:
-        """Size this device's workspaces for `rows` rows (units) now, before any graph capture."""
-        m_blocks = rows if self.experts else triton.cdiv(rows, MAX_ROWS)
-        splits, _ = self.split_for(m_blocks)
-        Workspace.get(self.device, self.stream(), splits * rows * self.size_n, m_blocks * self.n_blocks)
+    def fma_split(self) -> tuple[int, int, int]:
+        """(column blocks, splits, BNT) of the one-row FMA kernel."""
+        _, block_nt = ring_config(1, self.bits)
+        blocks = -(-(self.size_n // 16) // block_nt)
+        return blocks, choose_splits(blocks, self.size_k // 16, self.device), block_nt
 
-    def stream(self) -> int:
-        return 0 if self.interpret else self.stream_of(self.device_index)
+    def needs(self, rows: int) -> tuple[int, int, int]:
+        """Workspace elements (inputs, partials, counters) for `rows` rows (units)."""
+        m_blocks = rows if self.experts else -(-rows // MAX_ROWS)
+        splits, _ = self.split_for(m_blocks)
+        blocks = m_blocks * self.n_blocks
+        if self.fma is not None:
+            fma_blocks, fma_splits, _ = self.fma_split()
+            splits, blocks = max(splits, fma_splits), max(blocks, fma_blocks)
+        return rows * self.size_k, splits * rows * self.size_n, blocks
+
+    def reserve(self, rows: int = MAX_ROWS) -> None:
+        """Size the current stream's workspace for `rows` rows (units) now, before any graph capture."""
+        Workspace.get(self.device, self.stream(), *self.needs(rows))
+
+    def _plan(self, key: tuple) -> tuple:
+        """Grids, workspace needs and the fixed arguments of both launches for one call signature."""
+        rows, _, _, _, _, x_div, k_valid, n_out, _ = key
+        m_blocks = rows if self.experts else 1
+        splits, per_split = self.split_for(m_blocks)
+        block_m = rows_per_program(rows)
+        input_fixed = dict(self.input_fixed, x_div=x_div, k_valid=k_valid, BM=block_m)
+        if rows == 1 and self.fma is not None:
+            blocks, splits, block_nt = self.fma_split()
+            matmul = (self.fma, (blocks, splits, 1),
+                      dict(self.fma_fixed, n_out=n_out, tk_per_split=self.size_k // 16 // splits, BM=1, BNT=block_nt))
+        else:
+            matmul = (self.fused, (self.n_blocks, splits, m_blocks),
+                      dict(self.fused_fixed, n_out=n_out, blocks_per_split=per_split, SPLIT=splits > 1))
+        plan = ((-(-rows // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul)
+        self.plans[key] = plan
+        return plan
 
     def launch(self, x: torch.Tensor, y: torch.Tensor, rows: int, ids: torch.Tensor | None = None, x_div: int = 1,
                k_valid: int | None = None, n_out: int | None = None) -> None:
         """y[:rows, :n_out] = the projection of x's rows (MoE: of unit r = x[r // x_div] through expert ids[r]);
-        x has unit stride along k, y along n."""
-        if not self.fuse_input:  # the input transform as its own launch (comparison in bench/kernels.py)
-            x = input_transform(x, self.tensors["suh_ptr"], ids, x_div, rows=rows)
-            x_div = 1
-        m_blocks = rows if self.experts else 1
-        splits, per_split = self.splits.get(m_blocks) or self.split_for(m_blocks)
-        stream = self.stream()
-        partials = splits * rows * self.size_n
-        ws = Workspace._live.get((self.device, stream))
-        if ws is None or ws.partials.numel() < partials or ws.counters.numel() < m_blocks * self.n_blocks:
-            ws = Workspace.get(self.device, stream, partials, m_blocks * self.n_blocks)
-        grid = (self.n_blocks, splits, m_blocks)
+        x has k_valid features (unit stride), y's columns have unit stride."""
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
-        key = (x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, None if ids is None else ids.dtype,
-               ids is None or ids.data_ptr() % 16 == 0, x_div, k_valid, n_out, splits, per_split)
-        entry = None if self.hooks is None else self.compiled.get(key)
-        if entry is None or self.hooks.launch_enter_hook is not None or self.hooks.launch_exit_hook is not None:
-            args = dict(self.tensors, x_ptr=x, ids_ptr=ids if ids is not None else x, y_ptr=y, z_ptr=ws.partials,
-                        cnt_ptr=ws.counters, M=rows, size_k=self.size_k, tiles_n=self.size_n // 16,
-                        stride_xm=x.stride(0), x_div=x_div, k_valid=self.size_k if k_valid is None else k_valid,
-                        stride_ym=y.stride(0), n_out=self.size_n if n_out is None else n_out, k_blocks=self.k_blocks,
-                        blocks_per_split=per_split, expert_words=self.expert_words, stride_zs=rows * self.size_n,
-                        **self.constexprs, SPLIT=splits > 1)
-            kernel = exl3_fused_kernel[grid](**args, num_warps=self.num_warps, num_stages=1)
-            if not self.interpret and hasattr(kernel, "packed_metadata") and \
-                    len(getattr(kernel.src, "signature", ())) == len(ARG_NAMES):
-                values = [args[name] for name in ARG_NAMES]
-                for name, value in enumerate(values):  # bound tensors travel as addresses
-                    if isinstance(value, torch.Tensor):
-                        values[name] = value.data_ptr()
-                self.compiled[key] = (kernel, values)
-            return
-        kernel, values = entry
-        a = values.copy()
-        a[X], a[Y], a[Z], a[CNT] = x_ptr, y_ptr, ws.partials.data_ptr(), ws.counters.data_ptr()
-        a[IDS] = ids.data_ptr() if ids is not None else x_ptr
-        a[M], a[STRIDE_XM], a[STRIDE_YM], a[STRIDE_ZS] = rows, x.stride(0), y.stride(0), rows * self.size_n
-        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *a)
+        key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, x_div,
+               self.size_k if k_valid is None else k_valid, self.size_n if n_out is None else n_out,
+               None if ids is None else (ids.dtype, ids.data_ptr() % 16 == 0))
+        input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
+        stream = self.stream()
+        ws = Workspace._live.get((self.device, stream))
+        if ws is None or not ws.holds(*needs):
+            ws = Workspace.get(self.device, stream, *needs)
+        ids_ = ids if ids is not None else ws.counters  # any device pointer: HAS_IDS=False never reads it
+        ids_ptr, u_ptr = ids_.data_ptr(), ws.inputs_ptr
+        x_stride, y_stride, stride_zs = x.stride(0), y.stride(0), rows * self.size_n
+        self.input(input_grid, stream, key, input_fixed, (x, ids_, ws.inputs, rows, x_stride),
+                   (x_ptr, ids_ptr, u_ptr, rows, x_stride))
+        if matmul is self.fused:
+            matmul(grid, stream, key, fixed, (ws.inputs, ids_, y, ws.partials, ws.counters, rows, y_stride, stride_zs),
+                   (u_ptr, ids_ptr, y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs))
+        else:
+            matmul(grid, stream, key, fixed, (ws.inputs, y, ws.partials, ws.counters, rows, y_stride, stride_zs),
+                   (u_ptr, y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs))
 
 
 class BoundLinear:
     """A whole EXL3 linear with its tensors bound: x (..., in_features) -> (..., sum of out_features).
 
     Parts (fused vLLM layers: q/k/v, gate/up) share x, each with its own suh and bits. Up to MAX_ROWS rows,
-    every part is one fused launch writing its columns of the output in place: x's padding to k and the
-    output's trim to out_features are masks in the kernel, the bias is added in its epilogue. More rows,
+    every part is two launches writing its columns of the output in place: x's padding to k and the
+    output's trim to out_features are masks in the kernels, the bias is added in the epilogue. More rows,
     or a part whose kernel is not Triton, take each kernel's `apply` (pad, per part, trim, concatenate)."""
 
     def __init__(self, parts, in_features: int, bias: torch.Tensor | None = None) -> None:
@@ -183,7 +261,7 @@ class BoundLinear:
                 start += out
 
     def reserve(self, rows: int = MAX_ROWS) -> None:
-        """Size the workspace of the current stream for this layer (before graph capture)."""
+        """Size the current stream's workspace for this layer (before graph capture)."""
         for launch, _, _ in self.launches or ():
             launch.reserve(rows)
 

@@ -29,6 +29,7 @@ from exl3local.kernels.triton_decode import (
     decode_state, lanes_per_superlane, rate_constants, ring_cols, ring_operand, ring_rows, ring_state, ring_tiles,
     words,
 )
+from exl3local.kernels.triton_fused import finish_block
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
 
 # Programs per compute unit that split-K aims for: 4.5 picks the best measured split on all four 27B decode
@@ -71,10 +72,14 @@ def choose_splits(blocks: int, k_steps: int, device: torch.device) -> int:
 # ---- Ring-order GEMV with FMAs (v2): one product per weight and row; serves one row at rates where it won ----
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_zs", "stride_ym"])
 def exl3_gemv_ring_kernel(u_ptr, w_ptr, z_ptr, M, size_k, tiles_n, tk_per_split, stride_zs,
+                          svh_ptr, bias_ptr, y_ptr, cnt_ptr, stride_ym, n_out,
                           KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
-                          CODEBOOK: tl.constexpr, BM: tl.constexpr, BNT: tl.constexpr):
+                          CODEBOOK: tl.constexpr, BM: tl.constexpr, BNT: tl.constexpr,
+                          EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE: tl.constexpr):
+    """z[split] = u · Ŵ over one K split; with EPILOGUE, the last split of a column block also writes
+    y = H(Σ z)⊙svh (+ bias) (triton_fused.finish_block; BNT a multiple of 8, so whole Hadamard blocks)."""
     S: tl.constexpr = 32 // G
     WPS: tl.constexpr = W32 // S
     pid_n = tl.program_id(0)
@@ -131,6 +136,17 @@ def exl3_gemv_ring_kernel(u_ptr, w_ptr, z_ptr, M, size_k, tiles_n, tk_per_split,
     cols = tn[:, None, None] * 16 + c[None, :, None] + 8 * jh[None, None, :]
     offs = rm.to(tl.int64)[:, None, None, None] * (tiles_n * 16) + cols[None, :, :, :]
     tl.store(z_ptr + pid_s * stride_zs + offs, z, mask=mask_m[:, None, None, None] & mask_n[None, :, None, None])
+    if EPILOGUE:
+        tl.debug_barrier()  # every thread's partial is written before the counter says so
+        lock = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        splits = tl.num_programs(1)
+        if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            tl.store(lock, 0)
+            row0 = pid_m * BM
+            for hb in range(tl.minimum(BNT, tiles_n - pid_n * BNT) // 8):
+                finish_block(z_ptr, stride_zs, splits, row0, tl.minimum(M - row0, BM), tiles_n * 16,
+                             (pid_n * BNT + hb * 8) * 16, svh_ptr, bias_ptr, y_ptr, stride_ym, n_out, HAS_BIAS, SCALE,
+                             False)
 
 
 # ---- Ring-order decode feeding tl.dot (v3, triton_decode.ring_operand) ----------------------------------
@@ -220,8 +236,9 @@ def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook:
         splits = choose_splits(m_blocks * n_blocks, tiles_k, u.device)
     z = torch.empty(splits, rows, tiles_n * 16, dtype=torch.float32, device=u.device)
     exl3_gemv_ring_kernel[(n_blocks, splits, m_blocks)](
-        u, words(trellis), z, rows, size_k, tiles_n, tiles_k // splits, z.stride(0),
-        **rate_constants(bits, codebook), BM=block_m, BNT=block_nt, num_warps=num_warps,
+        u, words(trellis), z, rows, size_k, tiles_n, tiles_k // splits, z.stride(0), z, z, z, z, 0, 0,
+        **rate_constants(bits, codebook), BM=block_m, BNT=block_nt, EPILOGUE=False, HAS_BIAS=False, SCALE=1.0,
+        num_warps=num_warps,
     )
     return z
 

@@ -84,14 +84,16 @@ def had128(v, BM: tl.constexpr):
     return tl.reshape(o, (BM, 128))
 
 
-@triton.jit
-def _input_kernel(x_ptr, suh_ptr, ids_ptr, had_ptr, u_ptr, M, size_k, stride_xm, x_div,
+@triton.jit(do_not_specialize=["M", "stride_xm"])  # one compiled kernel for every row count (kernels/bound.py)
+def _input_kernel(x_ptr, suh_ptr, ids_ptr, had_ptr, u_ptr, M, size_k, stride_xm, x_div, k_valid,
                   HAS_IDS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr):
+    """x has k_valid <= size_k features per row; the rest reads as the zero padding of spec §1.4."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = (rm < M)[:, None]
     xrow = (rm // x_div).to(tl.int64)
-    x = tl.load(x_ptr + xrow[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + xrow[:, None] * stride_xm + rk[None, :], mask=mask & (rk < k_valid)[None, :],
+                other=0.0).to(tl.float32)
     if HAS_IDS:
         e = tl.load(ids_ptr + rm, mask=rm < M, other=0).to(tl.int64)
         s = tl.load(suh_ptr + e[:, None] * size_k + rk[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -137,7 +139,7 @@ def input_transform(x: torch.Tensor, suh: torch.Tensor, ids: torch.Tensor | None
     u = torch.empty(rows, size_k, dtype=torch.float16, device=x.device)
     block_m = rows_per_program(rows)
     _input_kernel[(triton.cdiv(rows, block_m), size_k // 128)](
-        x, suh, ids if ids is not None else suh, hadamard_operands(x.device), u, rows, size_k, x.stride(0), x_div,
+        x, suh, ids if ids is not None else suh, hadamard_operands(x.device), u, rows, size_k, x.stride(0), x_div, size_k,
         HAS_IDS=ids is not None, SCALE=HADAMARD_SCALE, BM=block_m,
     )
     return u

@@ -34,11 +34,13 @@ MATRIX_LAYOUT = {"cuda": "#ttg.nvidia_mma<", "xpu": "#triton_intel_gpu.dpas<"}
 DOT_OPS = ("tt.dot ", "ttng.warp_group_dot ")  # Hopper's wgmma form replaces tt.dot for 64-row tiles
 MATMUL_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "ids_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32",
                "tiles_n": "i32", "tk_per_split": "i32", "expert_words": "i32", "stride_zs": "i32"}
-FUSED_ARGS = {"x_ptr": "*bf16", "suh_ptr": "*fp16", "w_ptr": "*i32", "svh_ptr": "*fp16", "bias_ptr": "*fp16",
-              "ids_ptr": "*i64", "had_ptr": "*fp16", "y_ptr": "*bf16", "z_ptr": "*fp32", "cnt_ptr": "*i32",
-              **{name: "i32" for name in ("M", "size_k", "tiles_n", "stride_xm", "x_div", "k_valid", "stride_ym", "n_out",
-                                          "k_blocks", "blocks_per_split", "expert_words", "stride_zs")}}
-FMA_ARGS = {name: kind for name, kind in MATMUL_ARGS.items() if name not in ("ids_ptr", "expert_words")}
+FUSED_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i64",
+              "y_ptr": "*bf16", "z_ptr": "*fp32", "cnt_ptr": "*i32",
+              **{name: "i32" for name in ("M", "tiles_n", "stride_ym", "n_out", "k_blocks", "blocks_per_split",
+                                          "expert_words", "stride_zs")}}
+FMA_ARGS = {**{name: kind for name, kind in MATMUL_ARGS.items() if name not in ("ids_ptr", "expert_words")},
+            "svh_ptr": "*fp16", "bias_ptr": "*fp16", "y_ptr": "*bf16", "cnt_ptr": "*i32", "stride_ym": "i32",
+            "n_out": "i32"}
 BACKEND = ["cuda"]
 
 
@@ -75,7 +77,7 @@ def main() -> None:
     for has_ids in (False, True):
         compile_one(triton_hadamard._input_kernel,
                     {"x_ptr": "*bf16", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
-                     "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32"},
+                     "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32", "k_valid": "i32"},
                     dict(HAS_IDS=has_ids, SCALE=HADAMARD_SCALE, BM=16))
         compile_one(triton_hadamard._output_kernel,
                     {"z_ptr": "*fp32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i32", "y_ptr": "*fp16",
@@ -91,10 +93,11 @@ def main() -> None:
                         dict(rate, HAS_IDS=has_ids, BM=block_m, BNT=block_nt, KT=block_kt), num_warps=warps)
         for has_ids, split in ((False, True), (True, True), (False, False)):
             compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
-                        dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, FUSE_INPUT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt),
-                        num_warps=warps)
+                        dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt),
+                        num_warps=warps, num_stages=1)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
-        compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS, dict(rate, BM=block_m, BNT=block_nt))
+        compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,
+                    dict(rate, BM=block_m, BNT=block_nt, EPILOGUE=True, HAS_BIAS=True, SCALE=HADAMARD_SCALE))
         compile_one(triton_gemm._right_reconstruct_kernel,
                     {"w_ptr": "*i32", "had_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "tiles_n": "i32",
                      "tk_per_program": "i32"}, dict(rate, SCALE=HADAMARD_SCALE, KT=4))

@@ -38,6 +38,21 @@ def test_fused_matches_emulation_with_and_without_split_k(make_layer, emulate, r
     assert counters_clear()  # the last split reset its block's counter for the next launch
 
 
+@pytest.mark.parametrize("codebook,bits", [("mcg", 3), ("3inst", 6), ("mul1", 2.5)])
+def test_one_row_at_fma_rates_finishes_in_the_fma_kernel(make_layer, emulate, relative_error, kernel_device,
+                                                         codebook, bits):
+    """One row at rates outside DOT_ONE_ROW_BITS: the FMA ring kernel with the same epilogue (its programs
+    span 1-8 Hadamard blocks; split-K: the interpreter's one compute unit gets several splits)."""
+    trellis, suh, svh = make_layer(256, 256, bits, codebook, seed=8)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(8)).to(kernel_device)
+    launch = FusedLaunch(trellis, suh, svh, bits, codebook)
+    assert launch.fma is not None and launch.fma_split()[1] > 1
+    y = torch.empty(1, 256, device=kernel_device)
+    launch.launch(x, y, 1)
+    assert relative_error(y, emulate(x, trellis, suh, svh, bits, codebook)) < FP32_NOISE
+    assert counters_clear()
+
+
 def test_split_count_covers_every_block_once():
     device = torch.device("cpu")
     for blocks, k_blocks in ((8, 40), (136, 40), (40, 136), (1, 1), (2000, 3)):
@@ -99,7 +114,7 @@ def test_bound_moe_projection_reroutes_by_device_ids(make_layer, relative_error,
 
 def test_outgrown_workspace_stays_allocated():
     device = torch.device("cpu")
-    first = Workspace.get(device, 12345, 10, 2)
-    grown = Workspace.get(device, 12345, 1000, 2)
-    assert grown is not first and grown.partials.numel() >= 1000
+    first = Workspace.get(device, 12345, 10, 10, 2)
+    grown = Workspace.get(device, 12345, 10, 1000, 2)
+    assert grown is not first and grown.partials.numel() >= 1000 and grown.inputs.numel() >= 10
     assert any(ws is first for ws in Workspace._retired)  # a graph captured against it may still use it
