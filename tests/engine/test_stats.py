@@ -80,15 +80,19 @@ def test_memory_fields_for_a_cpu_engine_has_system_ram_only():
 
 def test_kernel_summary_sums_processes_and_flags_fallback_and_latched_paths():
     snapshots = [
-        {"pid": 1, "updated": 1000.0, "paths": {"gemv": {"calls": 10, "tokens": 10}, "reconstruct_gemm": {"calls": 2, "tokens": 64}}},
-        {"pid": 2, "updated": 1004.0, "paths": {"gemv": {"calls": 5, "tokens": 5, "last_s": 1003.5},
+        {"pid": 1, "updated": 1000.0, "paths": {"gemv": {"calls": 10, "tokens": 10, "roles": {"mlp": 6, "attention": 4}},
+                                                 "reconstruct_gemm": {"calls": 2, "tokens": 64}}},
+        {"pid": 2, "updated": 1004.0, "paths": {"gemv": {"calls": 5, "tokens": 5, "last_s": 1003.5, "roles": {"attention": 5}},
                                                  "reference": {"calls": 1, "tokens": 1}},
          "flags": {"latched_off": {"moe_grouped": "Triton compile failed"}}},
     ]
     out = engine_stats.kernel_summary(snapshots, now=1005.0)
     rows = {r["path"]: r for r in out["paths"]}
     assert [r["path"] for r in out["paths"]] == list(engine_stats.KNOWN_PATHS)
-    assert rows["gemv"] == {"path": "gemv", "calls": 15, "tokens": 15, "last_seen": 1003.5, "state": "ok", "reason": None}
+    assert rows["gemv"] == {"path": "gemv", "calls": 15, "tokens": 15, "last_seen": 1003.5,
+                            "roles": {"attention": 9, "mlp": 6}, "state": "ok", "reason": None}
+    assert list(rows["gemv"]["roles"]) == ["attention", "mlp"]  # most calls first
+    assert rows["reconstruct_gemm"]["roles"] == {}  # a writer without roles
     assert rows["reconstruct_gemm"]["last_seen"] == 1000.0
     assert rows["reference"]["state"] == "fallback"
     assert rows["moe_grouped"]["state"] == "latched_off" and rows["moe_grouped"]["reason"] == "Triton compile failed"
