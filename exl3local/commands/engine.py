@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+import psutil
+
 from exl3local import paths, profiles
 from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import DaemonStatus, EngineState, UpRequest
@@ -186,16 +188,30 @@ def _cmd_down(args: argparse.Namespace) -> int:
             print("exl3local: the daemon is not running")
             return 0
         deadline = time.monotonic() + DOWN_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                client.heartbeat()
-            except DaemonUnavailable:
-                break
+        # The API closes before the daemon has released its lock and token: wait for the process too,
+        # so a `down` that returns means everything is gone.
+        while not (_unreachable(client) and _exited(pid)):
+            if time.monotonic() > deadline:
+                raise Exl3Error(f"the daemon (pid {pid}) did not exit within {DOWN_TIMEOUT_S:.0f} s")
             time.sleep(0.1)
-        else:
-            raise Exl3Error(f"the daemon (pid {pid}) did not exit within {DOWN_TIMEOUT_S:.0f} s")
     print("stopped")
     return 0
+
+
+def _unreachable(client: DaemonClient) -> bool:
+    try:
+        client.heartbeat()
+    except DaemonUnavailable:
+        return True
+    return False
+
+
+def _exited(pid: int | None) -> bool:
+    """A zombie has exited too: a detached daemon's parent may never reap it."""
+    try:
+        return pid is None or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _add_down(sub: argparse._SubParsersAction) -> None:
