@@ -29,22 +29,11 @@ import triton
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, HADAMARD_SCALE
 from exl3local.kernels.triton_decode import rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel
-from exl3local.kernels.triton_gemv import (
-    DOT_ONE_ROW_BITS, SPLIT_TARGET_PROGRAMS_PER_CORE, choose_splits, compute_units, exl3_gemv_ring_kernel, ring_config,
-    ring_dot_config,
-)
+from exl3local.kernels.triton_gemv import FMA_ONE_ROW_BITS, choose_splits, exl3_gemv_ring_kernel, ring_config, ring_dot_config
 from exl3local.kernels.triton_hadamard import NATURAL, _input_kernel, hadamard_operands, rows_per_program
 
 MAX_ROWS = 16  # one dot tile of rows; more rows go to the reconstruct path (dispatch.GEMV_MAX_ROWS)
 BLOCK_N = FUSED_BLOCK_N_TILES * 16
-
-
-def fused_splits(blocks: int, k_blocks: int, device: torch.device) -> tuple[int, int]:
-    """(splits, 128-row K blocks per split): about SPLIT_TARGET_PROGRAMS_PER_CORE programs per compute unit,
-    with no empty split."""
-    want = max(1, min(k_blocks, round(SPLIT_TARGET_PROGRAMS_PER_CORE * compute_units(device) / blocks)))
-    per = -(-k_blocks // want)
-    return -(-k_blocks // per), per
 
 
 class Workspace:
@@ -127,8 +116,8 @@ FMA_VARYING = ("u_ptr", "y_ptr", "z_ptr", "cnt_ptr", "M", "stride_ym", "stride_z
 class FusedLaunch:
     """One projection (or, with experts=True, one projection of every expert, stacked) bound: `launch` runs
     the input transform and the decode matmul with the output transform in its epilogue: the ring dot kernel
-    (triton_fused), or for one row at rates other than DOT_ONE_ROW_BITS the FMA ring kernel (triton_gemv),
-    which measured faster there."""
+    (triton_fused), or for one row at FMA_ONE_ROW_BITS the FMA ring kernel (triton_gemv), which measured
+    faster there."""
 
     def __init__(self, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str,
                  bias: torch.Tensor | None = None, experts: bool = False) -> None:
@@ -138,17 +127,18 @@ class FusedLaunch:
         self.k_blocks = self.size_k // HADAMARD_BLOCK
         self.n_blocks = self.size_n // BLOCK_N
         _, block_kt, num_warps = ring_dot_config(bits)
+        self.k_steps = self.size_k // 16 // block_kt
         self.experts = experts
         interpret = not isinstance(exl3_fused_kernel, triton.runtime.JITFunction) or self.device.type == "cpu"
         self.input = DirectLaunch(_input_kernel, INPUT_VARYING, interpret)
         self.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, interpret, num_warps=num_warps, num_stages=1)
-        self.fma = None if experts or bits in DOT_ONE_ROW_BITS else DirectLaunch(exl3_gemv_ring_kernel, FMA_VARYING,
-                                                                                  interpret)
+        self.fma = None if experts or bits not in FMA_ONE_ROW_BITS else DirectLaunch(exl3_gemv_ring_kernel,
+                                                                                      FMA_VARYING, interpret)
         # Keep the bound tensors referenced: the compiled argument lists hold only their addresses.
         self.input_fixed = dict(suh_ptr=suh, had_ptr=hadamard_operands(self.device)[NATURAL.value],
                                 size_k=self.size_k, HAS_IDS=experts, SCALE=HADAMARD_SCALE)
         self.fused_fixed = dict(w_ptr=words(trellis), svh_ptr=svh, bias_ptr=bias if bias is not None else svh,
-                                tiles_n=self.size_n // 16, k_blocks=self.k_blocks,
+                                tiles_n=self.size_n // 16, k_steps=self.k_steps,
                                 expert_words=trellis[0].numel() // 2 if experts else 0,
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
                                 SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt)
@@ -166,9 +156,11 @@ class FusedLaunch:
         return lambda: get(index)
 
     def split_for(self, m_blocks: int) -> tuple[int, int]:
+        """(splits, K steps per split) of the dot kernel for m_blocks row blocks (units)."""
         split = self.splits.get(m_blocks)
         if split is None:
-            split = self.splits[m_blocks] = fused_splits(m_blocks * self.n_blocks, self.k_blocks, self.device)
+            splits = choose_splits(m_blocks * self.n_blocks, self.k_steps, self.device)
+            split = self.splits[m_blocks] = (splits, self.k_steps // splits)
         return split
 
     def fma_split(self) -> tuple[int, int, int]:
@@ -204,7 +196,7 @@ class FusedLaunch:
                       dict(self.fma_fixed, n_out=n_out, tk_per_split=self.size_k // 16 // splits, BM=1, BNT=block_nt))
         else:
             matmul = (self.fused, (self.n_blocks, splits, m_blocks),
-                      dict(self.fused_fixed, n_out=n_out, blocks_per_split=per_split, SPLIT=splits > 1))
+                      dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1))
         plan = ((-(-rows // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul)
         self.plans[key] = plan
         return plan

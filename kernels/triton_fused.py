@@ -1,7 +1,8 @@
 """EXL3 decode matmul with the output transform as a last-split epilogue (v4): one launch after the input
 transform, for up to 16 rows and for MoE (token, expert) units. Two launches per projection in all.
 
-Per program (16·BNT = 128 output columns = one Hadamard block, one K split): the ring-order decode matmul
+Per program (16·BNT = 128 output columns = one Hadamard block, one K split of steps_per_split steps of
+16·KT rows, split as triton_gemv.choose_splits splits the three-launch path): the ring-order decode matmul
 of triton_gemv.exl3_ring_dot_kernel on u = fp16(H(x⊙suh)) (triton_hadamard.input_transform); then every
 split stores its partial (fp32) and bumps a per-block counter, and the program that finds itself last sums
 the partials in split order (deterministic) and writes y = H128(Σ) ⊙ svh (+ bias) through ring_cols,
@@ -76,7 +77,7 @@ def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bi
 
 @triton.jit(do_not_specialize=VARYING_ARGS)
 def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cnt_ptr,
-                      M, tiles_n, stride_ym, n_out, k_blocks, blocks_per_split, expert_words, stride_zs,
+                      M, tiles_n, stride_ym, n_out, k_steps, steps_per_split, expert_words, stride_zs,
                       KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
                       CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr):
@@ -88,7 +89,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
     size_n = tiles_n * 16
-    size_k = k_blocks * 128
+    size_k = k_steps * 16 * KT
     lane = tl.arange(0, BM)
     if HAS_IDS:  # one (token, expert) unit per program: its expert's trellis, svh, bias
         e = tl.load(ids_ptr + pid_m).to(tl.int64)
@@ -108,12 +109,11 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         row0 = pid_m * BM
         rows = tl.minimum(M - row0, BM)
     tile_off, s = ring_tiles(pid_n * BNT, tiles_n, KT, BNT, W32, G)
-    kb0 = pid_s * blocks_per_split
-    steps = (tl.minimum(kb0 + blocks_per_split, k_blocks) - kb0) * (8 // KT)
-    row_base = w_base + (kb0 * 8).to(tl.int64) * tiles_n * W32
-    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + kb0 * 128 + ring_rows(tl.arange(0, 16 * KT))[None, :]
+    tk0 = pid_s * steps_per_split * KT  # first tile row of this split
+    row_base = w_base + tk0.to(tl.int64) * tiles_n * W32
+    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk0 * 16 + ring_rows(tl.arange(0, 16 * KT))[None, :]
     acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
-    for _ in range(steps):
+    for _ in range(steps_per_split):
         w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK)
         u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
         acc = tl.dot(u, w, acc)

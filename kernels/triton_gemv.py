@@ -42,6 +42,10 @@ RING_DOT_CONFIGS = {1: (8, 1, 4), 2: (8, 1, 4), 4: (8, 2, 4), 8: (8, 4, 4)}
 # At one row the FMA ring kernel (one product per weight, no operand shuffle) beat the dot kernel except at
 # 2 and 4 bits (same log: e.g. 5120x17408 K8 108 vs 153 µs, K4 105 vs 67 µs).
 DOT_ONE_ROW_BITS = (2, 4)
+# With the output transform as its last-split epilogue (kernels/bound.py) it still wins at 8 bits only
+# (5120x17408 M=1: 89 µs vs 141 for the dot kernel); at 3 and 6 bits its programs span 2-4 Hadamard blocks
+# and the last split's serial tail made it lose (5120x5120 K3 97 vs 27 µs; docs/PERF.md v4b).
+FMA_ONE_ROW_BITS = (8,)
 
 
 def ring_dot_config(bits: float) -> tuple[int, int, int]:

@@ -36,7 +36,7 @@ MATMUL_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "ids_ptr": "*i32", "z_ptr": "*
                "tiles_n": "i32", "tk_per_split": "i32", "expert_words": "i32", "stride_zs": "i32"}
 FUSED_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i64",
               "y_ptr": "*bf16", "z_ptr": "*fp32", "cnt_ptr": "*i32",
-              **{name: "i32" for name in ("M", "tiles_n", "stride_ym", "n_out", "k_blocks", "blocks_per_split",
+              **{name: "i32" for name in ("M", "tiles_n", "stride_ym", "n_out", "k_steps", "steps_per_split",
                                           "expert_words", "stride_zs")}}
 FMA_ARGS = {**{name: kind for name, kind in MATMUL_ARGS.items() if name not in ("ids_ptr", "expert_words")},
             "svh_ptr": "*fp16", "bias_ptr": "*fp16", "y_ptr": "*bf16", "cnt_ptr": "*i32", "stride_ym": "i32",
