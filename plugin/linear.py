@@ -119,43 +119,11 @@ class Exl3LinearMethod(LinearMethodBase):
         **extra_weight_attrs,
     ) -> None:
         spans = self._partition_spans(output_partition_sizes)
-        for g in self.groups:
-            refuse_packed_signs(g)
-        if getattr(layer, "has_bias", False) != any(g.has_bias for g in self.groups):
-            raise CheckpointError(
-                self.config._file(), f"{self.prefix}.bias", f"bias={getattr(layer, 'has_bias', False)} (model config)",
-                f"bias={any(g.has_bias for g in self.groups)} in the checkpoint",
-            )
-        tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
-        if tp_size > 1 and len(spans) != len(output_partition_sizes):
-            raise ConfigError(
-                f"{self.prefix}: tensor parallelism splits each of vLLM's {len(output_partition_sizes)} output parts, "
-                f"but the checkpoint stores them as {len(spans)} EXL3 tensors; a rank's slice of one tensor would not "
-                "be contiguous",
-                hint="serve this model with tensor-parallel size 1",
-            )
-        split_in = tp_size > 1 and input_size_per_partition != input_size
-        split_out = tp_size > 1 and not split_in and sum(output_partition_sizes) != output_size
-        parts, trellis_words, svh_size = [], 0, 0
-        k_local = None
-        for i, (group, (_, n_local)) in enumerate(zip(self.groups, spans, strict=True)):
-            k_range = split_range(
-                group, "input", input_size_per_partition, group.size_k, tp_rank if split_in else 0,
-                tp_size if split_in else 1,
-            )
-            out_rank = tp_rank
-            if split_out and i > 0 and getattr(layer, "num_kv_head_replicas", 1) > 1:
-                out_rank = tp_rank // layer.num_kv_head_replicas  # k/v heads replicated across ranks
-            n_range = split_range(
-                group, "output", n_local, group.size_n, out_rank if split_out else 0, tp_size if split_out else 1
-            )
-            part = PartLayout(group, i, k_range, n_range, n_local, trellis_words, svh_size)
-            if k_local is not None and part.size_k != k_local:
-                raise CheckpointError(self.config._file(), group.prefix, f"padded k {k_local} like its siblings", str(part.size_k))
-            k_local = part.size_k
-            parts.append(part)
-            trellis_words += part.trellis_words
-            svh_size += part.size_n
+        self._refuse_unservable(layer, spans, output_partition_sizes)
+        parts = self._lay_out_parts(layer, spans, input_size_per_partition, input_size, output_size)
+        k_local = parts[0].size_k
+        trellis_words = sum(p.trellis_words for p in parts)
+        svh_size = sum(p.size_n for p in parts)
         layer.exl3_parts = parts
         layer.exl3_part_of_shard = {first: i for i, (first, _) in enumerate(spans)}
         layer.exl3_role = trace.role_of(self.prefix)
@@ -173,6 +141,53 @@ class Exl3LinearMethod(LinearMethodBase):
         for codebook in sorted({g.codebook for g in self.groups} & set(MARKER_VALUES)):
             register(codebook, torch.zeros(len(parts), dtype=torch.int32))
         layer.exl3_act_dtype = params_dtype
+
+    def _refuse_unservable(self, layer: torch.nn.Module, spans: list[tuple[int, int]], output_partition_sizes: list[int]) -> None:
+        for g in self.groups:
+            refuse_packed_signs(g)
+        if getattr(layer, "has_bias", False) != any(g.has_bias for g in self.groups):
+            raise CheckpointError(
+                self.config._file(), f"{self.prefix}.bias", f"bias={getattr(layer, 'has_bias', False)} (model config)",
+                f"bias={any(g.has_bias for g in self.groups)} in the checkpoint",
+            )
+        if getattr(layer, "tp_size", 1) > 1 and len(spans) != len(output_partition_sizes):
+            raise ConfigError(
+                f"{self.prefix}: tensor parallelism splits each of vLLM's {len(output_partition_sizes)} output parts, "
+                f"but the checkpoint stores them as {len(spans)} EXL3 tensors; a rank's slice of one tensor would not "
+                "be contiguous",
+                hint="serve this model with tensor-parallel size 1",
+            )
+
+    def _lay_out_parts(
+        self, layer: torch.nn.Module, spans: list[tuple[int, int]], input_size_per_partition: int, input_size: int,
+        output_size: int,
+    ) -> list[PartLayout]:
+        """Where each part's slice (this rank's, under tensor parallelism) sits in the layer's flat arenas."""
+        tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+        split_in = tp_size > 1 and input_size_per_partition != input_size
+        split_out = tp_size > 1 and not split_in and sum(n for _, n in spans) != output_size
+        parts: list[PartLayout] = []
+        trellis_words = svh_size = 0
+        for i, (group, (_, n_local)) in enumerate(zip(self.groups, spans, strict=True)):
+            k_range = split_range(
+                group, "input", input_size_per_partition, group.size_k, tp_rank if split_in else 0,
+                tp_size if split_in else 1,
+            )
+            out_rank = tp_rank
+            if split_out and i > 0 and getattr(layer, "num_kv_head_replicas", 1) > 1:
+                out_rank = tp_rank // layer.num_kv_head_replicas  # k/v heads replicated across ranks
+            n_range = split_range(
+                group, "output", n_local, group.size_n, out_rank if split_out else 0, tp_size if split_out else 1
+            )
+            part = PartLayout(group, i, k_range, n_range, n_local, trellis_words, svh_size)
+            if parts and part.size_k != parts[0].size_k:
+                raise CheckpointError(
+                    self.config._file(), group.prefix, f"padded k {parts[0].size_k} like its siblings", str(part.size_k)
+                )
+            parts.append(part)
+            trellis_words += part.trellis_words
+            svh_size += part.size_n
+        return parts
 
     def _loader(self, layer: torch.nn.Module, kind: str):
         def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None, *args, **kwargs) -> None:
