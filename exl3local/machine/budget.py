@@ -166,6 +166,45 @@ def model_max_len(config: dict[str, Any]) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def _room(gpu: Any, mem: MemorySnapshot, mp: Any, lines: list[str]) -> int:
+    """Memory the engine may use at all: RAM the OS can spare (shared memory) or the card's share."""
+    if gpu.kind in ("integrated", "cpu"):
+        reserve = int(mp["os_reserve_bytes"])
+        room = mem.available_bytes - reserve
+        lines.append(f"RAM available now {format_gib(mem.available_bytes)} - OS/desktop reserve {format_gib(reserve)}"
+                     f" = {format_gib(room)}")
+        if gpu.kind == "integrated" and gpu.memory_bytes:
+            lines.append(f"iGPU ceiling (80 % of RAM - 450 MB) {format_gib(gpu.memory_bytes)}")
+            room = min(room, int(gpu.memory_bytes))
+        return room
+    if not gpu.memory_bytes:
+        raise BudgetError(
+            f"the size of {gpu.name}'s memory is unknown, so the model's fit cannot be checked",
+            hint="enable resizable BAR, or set memory.kv_max_bytes with policy = \"pinned\" "
+                 "via `--set memory.policy=pinned --set memory.kv_max_bytes=4GiB`",
+        )
+    util = float(mp["gpu_memory_utilization"])
+    room = int(gpu.memory_bytes * util)
+    lines.append(f"device memory {format_gib(gpu.memory_bytes)} x utilization {util:.2f} = {format_gib(room)}")
+    return room
+
+
+def _does_not_fit(lines: list[str], shortfall: int, fit_ctx: int, profile: Any, shared: bool) -> BudgetError:
+    hints = []
+    if fit_ctx >= 256:
+        hints.append(f"a shorter context (`--set model.max_model_len={fit_ctx // 256 * 256}`)")
+    if profile.vllm.get("kv_cache_dtype", "auto") == "auto":
+        hints.append("an fp8 KV cache (`--set vllm.kv_cache_dtype=fp8`)")
+    hints.append("a smaller model or lower bpw")
+    if shared:
+        hints.append("closing other programs, or a smaller `memory.os_reserve_bytes`")
+    hints.append("another profile (`exl3local profile`)")
+    return BudgetError(
+        "the model does not fit: " + "; ".join(lines) + f". Short by {format_gib(shortfall)}.",
+        hint="try " + ", or ".join(hints),
+    )
+
+
 def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: Any,
             max_model_len: int | None = None) -> Budget:
     """gpu: hardware.GpuInfo; profile: profiles.Profile. Pure: no I/O."""
@@ -180,30 +219,9 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
     seqs = int(profile.vllm.get("max_num_seqs", 1))
     weights = int(checkpoint.weight_bytes)
     overhead = int(mp["engine_overhead_bytes"])
-    shared = gpu.kind in ("integrated", "cpu")
     pinned = mp["policy"] == "pinned"
     lines: list[str] = []
-
-    if shared:
-        reserve = int(mp["os_reserve_bytes"])
-        ram_free = mem.available_bytes - reserve
-        lines.append(f"RAM available now {format_gib(mem.available_bytes)} - OS/desktop reserve {format_gib(reserve)}"
-                     f" = {format_gib(ram_free)}")
-        room = ram_free
-        if gpu.kind == "integrated" and gpu.memory_bytes:
-            lines.append(f"iGPU ceiling (80 % of RAM - 450 MB) {format_gib(gpu.memory_bytes)}")
-            room = min(room, int(gpu.memory_bytes))
-    else:
-        if not gpu.memory_bytes:
-            raise BudgetError(
-                f"the size of {gpu.name}'s memory is unknown, so the model's fit cannot be checked",
-                hint="enable resizable BAR, or set memory.kv_max_bytes with policy = \"pinned\" "
-                     "via `--set memory.policy=pinned --set memory.kv_max_bytes=4GiB`",
-            )
-        util = float(mp["gpu_memory_utilization"])
-        room = int(gpu.memory_bytes * util)
-        lines.append(f"device memory {format_gib(gpu.memory_bytes)} x utilization {util:.2f} = {format_gib(room)}")
-    headroom = room - weights - overhead
+    headroom = _room(gpu, mem, mp, lines) - weights - overhead
     lines.append(f"- weights {format_gib(weights)} - engine overhead {format_gib(overhead)} = KV headroom {format_gib(headroom)}")
 
     need_one = layout.sequence_bytes(ctx)
@@ -212,21 +230,8 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
     lines.append(f"KV per token {per_token} B ({layout.attention_layers} attention layers){state_note};"
                  f" one {ctx}-token sequence needs {format_gib(need_one)}")
     if headroom < need_one:
-        shortfall = need_one - headroom
         fit_ctx = max(headroom - layout.state_bytes, 0) // per_token
-        hints = []
-        if fit_ctx >= 256:
-            hints.append(f"a shorter context (`--set model.max_model_len={fit_ctx // 256 * 256}`)")
-        if profile.vllm.get("kv_cache_dtype", "auto") == "auto":
-            hints.append("an fp8 KV cache (`--set vllm.kv_cache_dtype=fp8`)")
-        hints.append("a smaller model or lower bpw")
-        if shared:
-            hints.append("closing other programs, or a smaller `memory.os_reserve_bytes`")
-        hints.append("another profile (`exl3local profile`)")
-        raise BudgetError(
-            "the model does not fit: " + "; ".join(lines) + f". Short by {format_gib(shortfall)}.",
-            hint="try " + ", or ".join(hints),
-        )
+        raise _does_not_fit(lines, need_one - headroom, fit_ctx, profile, gpu.kind in ("integrated", "cpu"))
     kv = headroom
     useful = need_one * seqs
     if kv > useful:
