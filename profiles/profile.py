@@ -19,6 +19,8 @@ from exl3local.errors import ConfigError
 from exl3local.units import parse_size
 
 ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+SECTIONS = ("match", "model", "vllm", "endpoint", "env", "memory")  # the tables of a profile file, in order
+
 def _bool(v: object) -> bool:
     if isinstance(v, bool):
         return v
@@ -72,6 +74,16 @@ def _json_obj(v: object) -> str:
     return json.dumps(v, sort_keys=True)
 
 
+def _origins(v: object) -> tuple[str, ...]:
+    """Browser origins allowed to call the endpoint: scheme://host[:port], where the port (or the host after
+    a scheme like vscode-webview://) may be `*`. A lone `*` (every web page) is refused."""
+    origins = _str_list(v)
+    for o in origins:
+        if not re.fullmatch(r"[a-z][a-z0-9+.-]*://(\*|[A-Za-z0-9.\[\]:-]+?(:(\*|[0-9]{1,5}))?)", o):
+            raise ValueError(f"expected origins like \"http://localhost:*\" or \"https://example.com\", got {o!r}")
+    return origins
+
+
 def _pci_ids(v: object) -> tuple[str, ...]:
     ids = _str_list(v)
     for i in ids:
@@ -113,6 +125,11 @@ SCHEMA: dict[str, dict[str, Callable[[object], Any]]] = {
         "language_model_only": _bool,  # multimodal checkpoints: skip the vision tower (less memory, text only)
         "extra_args": _str_list,
     },
+    "endpoint": {
+        # browser pages allowed to call the OpenAI endpoint (CORS); `*` matches any port, or any host
+        # after a non-http scheme such as vscode-webview://
+        "cors_origins": _origins,
+    },
     "env": {},  # any NAME = "value"; checked by _env_value
     "memory": {
         "policy": _choice("pinned", "utilization"),  # pinned: --kv-cache-memory-bytes from budget.py
@@ -128,6 +145,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "match": {"priority": 0},
     "model": {"demo": False, "max_model_len": 8192},
     "vllm": {"kv_cache_dtype": "auto", "max_num_seqs": 8, "extra_args": ()},
+    # local tools only: editors' webviews and pages served from this machine, never every web page
+    "endpoint": {"cors_origins": ("http://localhost:*", "http://127.0.0.1:*", "vscode-webview://*")},
     "memory": {"policy": "pinned", "gpu_memory_utilization": 0.92, "os_reserve_bytes": 2 * 2**30,
                "engine_overhead_bytes": 2 * 2**30},
 }
@@ -142,6 +161,7 @@ class Profile:
     match: Mapping[str, Any] = field(default_factory=dict)
     model: Mapping[str, Any] = field(default_factory=dict)
     vllm: Mapping[str, Any] = field(default_factory=dict)
+    endpoint: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     memory: Mapping[str, Any] = field(default_factory=dict)
 
@@ -151,7 +171,7 @@ class Profile:
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "description": self.description, "backend": self.backend, "source": self.source,
-                **{s: dict(getattr(self, s)) for s in ("match", "model", "vllm", "env", "memory")}}
+                **{s: dict(getattr(self, s)) for s in SECTIONS}}
 
 
 def _env_value(source: str, key: str, value: object) -> str:
@@ -204,14 +224,14 @@ def parse(text: str, profile_id: str, source: str = "<string>") -> Profile:
         raise ConfigError(f"{source}: [model] needs `repo` (a hub repository) or `demo = true`")
     return Profile(
         id=profile_id, description=sections[""]["description"], backend=sections[""]["backend"], source=source,
-        **{s: MappingProxyType(sections[s]) for s in ("match", "model", "vllm", "env", "memory")},
+        **{s: MappingProxyType(sections[s]) for s in SECTIONS},
     )
 
 
 def with_overrides(profile: Profile, overrides: Mapping[str, str], source: str = "--set") -> Profile:
     """`--set section.key=value`: the value is read as TOML (8192, true, "x", 0.9) and, failing
     that, as a plain string; then it meets the same checks as the file."""
-    sections = {s: dict(getattr(profile, s)) for s in ("match", "model", "vllm", "env", "memory")}
+    sections = {s: dict(getattr(profile, s)) for s in SECTIONS}
     for dotted, raw in overrides.items():
         section, dot, key = dotted.partition(".")
         if not dot or section not in sections or not key:

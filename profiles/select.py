@@ -82,6 +82,12 @@ def read_settings() -> dict[str, Any]:
     return {"pinned": pinned, "set": dict(sets)}
 
 
+def _shown(key: str, value: str) -> str:
+    """An override as `status` may show it: environment values can be secrets (an API key, a hub token),
+    and the status is readable by any local process."""
+    return "(set, not shown)" if key.startswith("env.") else value
+
+
 def select(requested: str | None, overrides: Mapping[str, str], gpu: Any, dmi: str) -> tuple[Any, str]:
     """--profile > pinned > detected; persisted --set, then this call's --set."""
     settings = read_settings()
@@ -94,7 +100,7 @@ def select(requested: str | None, overrides: Mapping[str, str], gpu: Any, dmi: s
     merged = {**settings["set"], **overrides}
     if merged:
         prof = with_overrides(prof, merged)
-        why += "; overrides " + ", ".join(f"{k}={v}" for k, v in sorted(merged.items()))
+        why += "; overrides " + ", ".join(f"{k}={_shown(k, v)}" for k, v in sorted(merged.items()))
     if prof.backend != gpu.backend:
         why += f" (the profile is for {prof.backend}; this machine serves on {gpu.backend}: {gpu.name})"
     return prof, why

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3local import env, paths
+from exl3local.errors import ConfigError
 
 # The supervisor spawns `python -P -m <this module>`; tests/plugin starts its servers the same way.
 LAUNCHER_MODULE = "exl3local.engine.launch"
@@ -27,6 +28,14 @@ TRACE_DIR_ENV = env.TRACE_DIR.name
 PARENT_PID_ENV = env.ENGINE_PARENT.name
 FALLBACK_CHAT_TEMPLATE = paths.bundled("demo", "chat_template.jinja")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+# The endpoint's CORS layer (engine/cors.py), loaded into vLLM's API server; its origins travel in the env.
+CORS_MIDDLEWARE = "exl3local.engine.cors.LocalOrigins"
+CORS_ORIGINS_ENV = "EXL3LOCAL_CORS_ORIGINS"
+# The endpoint's API key: read from the daemon's environment at each start and handed to vLLM in its own
+# environment (VLLM_API_KEY), never on its command line, where `ps` and vLLM's logged arguments show it.
+API_KEY_FILE_ENV = "EXL3LOCAL_API_KEY_FILE"
+API_KEY_ENV = "EXL3LOCAL_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 # Profile switches vLLM turns on unless told `--no-...`; the others are off unless given.
 VLLM_SWITCHES_ON_BY_DEFAULT = frozenset({"enable_prefix_caching"})
 
@@ -53,14 +62,37 @@ class LaunchSpec:
         return f"http://{self.host}:{self.port}/metrics"
 
 
-def has_chat_template(model_dir: Path) -> bool:
-    if any((model_dir / name).is_file() for name in CHAT_TEMPLATE_FILES):
-        return True
+def chat_template(model_dir: Path) -> str | None:
+    """The checkpoint's own chat template as vLLM will find it (a file beside the weights first, then
+    tokenizer_config.json; a list of named templates counts as their concatenation), or None."""
+    for name in CHAT_TEMPLATE_FILES:
+        try:
+            text = (model_dir / name).read_text(errors="replace")
+        except OSError:
+            continue
+        if name.endswith(".json"):
+            text = _template_from_json(text, "chat_template")
+        if text:
+            return text
     try:
-        cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and bool(cfg.get("chat_template"))
+        cfg = (model_dir / "tokenizer_config.json").read_text(errors="replace")
+    except OSError:
+        return None
+    return _template_from_json(cfg, "chat_template")
+
+
+def _template_from_json(text: str, key: str) -> str | None:
+    try:
+        value = json.loads(text).get(key)
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        value = "\n".join(str(t.get("template", "")) for t in value if isinstance(t, dict))
+    return value if isinstance(value, str) and value else None
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    return chat_template(model_dir) is not None
 
 
 def _flag(key: str) -> str:
@@ -84,8 +116,28 @@ def vllm_args(profile: Any, budget: Any) -> list[str]:
         out += ["--kv-cache-memory-bytes", str(budget.kv_budget_bytes)]
     else:
         out += ["--gpu-memory-utilization", str(profile.memory["gpu_memory_utilization"])]
-    out += list(profile.vllm.get("extra_args", ()))
-    return out
+    extra = list(profile.vllm.get("extra_args", ()))
+    if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in extra):
+        raise ConfigError(f"{profile.source}: --api-key in vllm.extra_args would put the key on vLLM's command "
+                          "line, visible in `ps` and in the engine log",
+                          hint=f"set {API_KEY_FILE_ENV}=/path/to/key-file (or {API_KEY_ENV}) for the daemon instead")
+    return out + extra
+
+
+def api_key(environ: Mapping[str, str]) -> str | None:
+    """The endpoint key from EXL3LOCAL_API_KEY_FILE (first line) or EXL3LOCAL_API_KEY; None: no key."""
+    path = environ.get(API_KEY_FILE_ENV)
+    if path:
+        try:
+            key = Path(path).expanduser().read_text().strip().splitlines()
+        except (OSError, UnicodeError) as exc:
+            raise ConfigError(f"{API_KEY_FILE_ENV}={path}: cannot read the API key file: {exc}",
+                              hint="a file holding the key on its first line (chmod 600)") from None
+        if not key or not key[0].strip():
+            raise ConfigError(f"{API_KEY_FILE_ENV}={path}: the file is empty",
+                              hint="write the key on its first line")
+        return key[0].strip()
+    return environ.get(API_KEY_ENV) or None
 
 
 def device_env(gpu: Any, gpus: Sequence[Any]) -> dict[str, str]:
@@ -137,11 +189,19 @@ def build(
         argv += ["--chat-template", str(FALLBACK_CHAT_TEMPLATE)]
     if gpu is not None and gpu.codename == "DG2" and "dtype" not in profile.vllm:
         argv += ["--dtype", "float16"]  # vLLM's XPU platform refuses bf16 on Alchemist (docs/arc.md §4.3)
+    origins = list(profile.endpoint.get("cors_origins", ()))
+    if origins:
+        argv += ["--middleware", CORS_MIDDLEWARE]
     env = dict(os.environ if base_env is None else base_env)
+    key = api_key(env)
+    env.pop(API_KEY_ENV, None)  # vLLM reads its own name; ours need not travel further
     if gpu is not None:
         env.update({k: v for k, v in device_env(gpu, gpus).items() if k not in env})  # the user's choice wins
     env.update(profile.env)
+    if key:
+        env[VLLM_API_KEY_ENV] = key
     env.update({
+        CORS_ORIGINS_ENV: json.dumps(origins),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "VLLM_PLUGINS": PLUGIN_NAME,

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import sys
 
+import json
+import re
+
+import pytest
+
 from exl3local import manifest, profiles
-from exl3local.engine import launch
+from exl3local.errors import ConfigError
+from exl3local.engine import cors, launch
 from exl3local.machine import budget, hardware
 
 
@@ -41,7 +47,7 @@ def test_b70_recipe_becomes_vllm_flags(tiny_models, tmp_path):
     b = budget.Budget(kv_budget_bytes=1, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=32768, pinned=False)
     args = launch.vllm_args(prof, b)
     assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
-    assert "--enable-prefix-caching" in args and "--enable-auto-tool-choice" in args
+    assert "--enable-prefix-caching" in args
     assert args[args.index("--max-num-batched-tokens") + 1] == "4096"
     assert args[args.index("--speculative-config") + 1] == '{"method": "mtp", "num_speculative_tokens": 3}'
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.92" and "--kv-cache-memory-bytes" not in args
@@ -82,3 +88,42 @@ def test_engine_is_pinned_to_the_chosen_gpu_when_there_are_several(machine, tiny
                         base_env={"ZE_AFFINITY_MASK": "0"})
     assert spec.env["ZE_AFFINITY_MASK"] == "0"  # set by the user: kept
     assert spec.argv[spec.argv.index("--dtype") + 1] == "float16"  # Alchemist: no bf16 in vLLM XPU
+
+
+def test_the_api_key_reaches_vllm_in_its_environment_only(tiny_models, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    model = tiny_models["tiny-llama-exl3-4.0bpw"]
+    prof = profiles.load("cpu")
+    b = budget.Budget(kv_budget_bytes=2**20, kv_budget_tokens=512, kv_bytes_per_token=2048, max_model_len=512,
+                      pinned=True)
+    from_file = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path),
+                             base_env={launch.API_KEY_FILE_ENV: str(key_file), launch.API_KEY_ENV: "sk-from-env"})
+    assert from_file.env["VLLM_API_KEY"] == "sk-from-file" and launch.API_KEY_ENV not in from_file.env
+    assert not any("sk-from" in arg for arg in from_file.argv) and "sk-from" not in repr(from_file)
+    from_env = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), base_env={launch.API_KEY_ENV: "sk-env"})
+    assert from_env.env["VLLM_API_KEY"] == "sk-env"
+    assert "VLLM_API_KEY" not in launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), base_env={}).env
+    with pytest.raises(ConfigError, match="EXL3LOCAL_API_KEY_FILE=.*missing"):
+        launch.build(model, prof, b, port=1, tmpdir=str(tmp_path),
+                     base_env={launch.API_KEY_FILE_ENV: str(tmp_path / "missing")})
+    in_argv = profiles.with_overrides(prof, {"vllm.extra_args": '["--api-key", "sk-x"]'})
+    with pytest.raises(ConfigError, match="--api-key in vllm.extra_args") as err:
+        launch.vllm_args(in_argv, b)
+    assert "EXL3LOCAL_API_KEY_FILE" in err.value.hint
+
+
+def test_cors_origins_become_our_middleware_and_a_regex_with_port_wildcards(tiny_models, tmp_path):
+    spec, _ = _spec(tiny_models, tmp_path)
+    assert spec.argv[spec.argv.index("--middleware") + 1] == launch.CORS_MIDDLEWARE == \
+        f"{cors.__name__}.{cors.LocalOrigins.__name__}"
+    assert "--allowed-origins" not in spec.argv
+    patterns = json.loads(spec.env[launch.CORS_ORIGINS_ENV])
+    assert patterns == ["http://localhost:*", "http://127.0.0.1:*", "vscode-webview://*"]
+    regex = cors.origin_regex(patterns)
+    allowed = ["http://localhost", "http://localhost:5173", "http://127.0.0.1:65535", "vscode-webview://0abc"]
+    refused = ["https://localhost:1", "http://localhost.evil.org", "http://localhost:80/x", "http://evil.org",
+               "vscode-webview://a/b", "null", "*"]
+    assert all(re.fullmatch(regex, o) for o in allowed)
+    assert not any(re.fullmatch(regex, o) for o in refused)
+    assert not re.fullmatch(cors.origin_regex([]), "http://localhost")

@@ -16,7 +16,9 @@ def test_bundled_profiles_load_with_their_recipes():
     assert b70.vllm["kv_cache_dtype"] == "fp8" and b70.vllm["enable_prefix_caching"]
     assert b70.vllm["max_num_batched_tokens"] == 4096
     assert '"num_speculative_tokens": 3' in b70.vllm["speculative_config"]
-    assert b70.vllm["tool_call_parser"] and b70.vllm["reasoning_parser"]
+    # parsers follow the served model (engine.model_fit), never the machine
+    for name in profiles.names():
+        assert not {"tool_call_parser", "reasoning_parser", "enable_auto_tool_choice"} & set(profiles.load(name).vllm)
     assert b70.model["repo"].endswith("Qwen3.8-27B-exl3") and b70.model["revision"] == "4.00bpw"
     claw = profiles.load("claw8")
     assert claw.memory["policy"] == "pinned" and claw.vllm["enforce_eager"]
@@ -36,6 +38,8 @@ def test_bundled_profiles_load_with_their_recipes():
         (MINIMAL.replace('"cpu"', '"rocm"'), ["backend", "rocm"]),
         ('description = "x"\nbackend = "cpu"\n', ["repo"]),
         (MINIMAL + "[env]\n\"BAD NAME\" = \"1\"\n", ["BAD NAME"]),
+        (MINIMAL + "[endpoint]\ncors_origins = [\"*\"]\n", ["endpoint.cors_origins", "'*'"]),
+        (MINIMAL + "[endpoint]\ncors_origins = [\"localhost:3000\"]\n", ["endpoint.cors_origins", "localhost:3000"]),
         ("vllm = 3\n" + MINIMAL, ["vllm", "table"]),
         ("description = ", ["not valid TOML"]),
     ],
@@ -71,3 +75,12 @@ def test_user_profile_shadows_bundled_one(tmp_path):
                                                  (1024, 1024), ("1.5GiB", 3 * 2**29)])
 def test_sizes(text, expected):
     assert units.parse_size(text) == expected
+
+
+def test_cors_origins_default_to_local_pages_and_a_profile_or_set_changes_them():
+    assert profiles.load("cpu").endpoint["cors_origins"] == ("http://localhost:*", "http://127.0.0.1:*",
+                                                             "vscode-webview://*")
+    own = profiles.parse(MINIMAL + '[endpoint]\ncors_origins = ["https://chat.example.org", "http://[::1]:*"]\n', "x")
+    assert own.endpoint["cors_origins"] == ("https://chat.example.org", "http://[::1]:*")
+    none = profiles.with_overrides(profiles.load("cpu"), {"endpoint.cors_origins": "[]"})
+    assert none.endpoint["cors_origins"] == ()
