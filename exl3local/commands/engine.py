@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import DaemonStatus, EngineState, UpRequest
 from exl3local.daemon import main as daemon_main
 from exl3local.daemon.server import Daemon
+from exl3local.commands.progress import UpProgress
 from exl3local.desktop import service
 from exl3local.errors import DaemonUnavailable, Exl3Error
 from exl3local.models import hub, store
@@ -87,31 +87,6 @@ def ensure_daemon(client: Any) -> None:
                     hint=f"see {paths.daemon_log()}")
 
 
-class _Progress:
-    """One self-overwriting line on a terminal; state changes only otherwise."""
-
-    def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
-        self.last_state = ""
-        self.t0 = time.monotonic()
-
-    def __call__(self, st: Any) -> None:
-        elapsed = time.monotonic() - self.t0
-        if self.tty:
-            width = max(os.get_terminal_size(sys.stderr.fileno()).columns - 1, 20)
-            extra = f"  retry in {st.retry_in_s:.0f}s" if st.retry_in_s else ""
-            line = f"{st.state.value:<8} {elapsed:5.0f}s  {st.progress or st.last_error or ''}{extra}"
-            sys.stderr.write("\r" + line[:width].ljust(width))
-            sys.stderr.flush()
-        elif st.state.value != self.last_state:
-            print(f"{st.state.value} after {elapsed:.0f}s", file=sys.stderr)
-        self.last_state = st.state.value
-
-    def done(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-
-
 def _print_ready(st: Any) -> None:
     kv = f"KV {format_bytes(st.kv_budget_bytes)} = {st.kv_budget_tokens} tokens" if st.kv_budget_bytes else "KV -"
     print(f"READY  {st.model}  (profile {st.profile}, {st.gpu.name if st.gpu else '?'}, {kv})")
@@ -141,7 +116,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     with DaemonClient() as client:
         ensure_daemon(client)
         client.up(req.model, profile=req.profile, port=req.port, overrides=dict(req.overrides), demo=req.demo)
-        progress = _Progress()
+        progress = UpProgress()
         try:
             st = client.wait_ready(on_progress=progress)
         finally:
