@@ -5,17 +5,20 @@ weights decoded by the reference decoder, loaded by vLLM as a plain HF checkpoin
 - dense: Qwen3_5ForCausalLM, three full-attention layers among three Gated DeltaNet layers, and an MLP
   width (704) that is not a multiple of 128, so gate/up/down are padded to 768 as the converter pads;
 - moe64: Qwen3_5MoeForCausalLM with 64 routed experts, top-8, plus the gated shared expert;
-- vl_mtp: the MoE inside Qwen3_5MoeForConditionalGeneration with one MoE MTP layer, served with MTP
-  speculative decoding (language model only: the vision tower is not written).
+- vl_mtp: the MoE (16 experts, top-4) inside Qwen3_5MoeForConditionalGeneration with one MoE MTP layer,
+  served language-only with MTP speculative decoding; its draft model is also loaded in this process and
+  each of its EXL3 layers compared with the twin's weights.
 
-Bounds, from bf16 noise measured on these same checkpoints: the twin against a second bf16 twin
-(write_pair's `rounding`: the same decoded weights rounded to bf16 stochastically instead of to nearest),
-both through vLLM. Over the three cases and both prompts that spread reached a mean KL of 5.5e-3 nats
-(vl_mtp, where a routing near-tie flips an expert) and moved a top-1/top-2 margin by up to 0.69 (logits
-of these random models are ~±10, where one bf16 step is 0.0625). The EXL3 copy computes with the fp16
-weights that the twin rounds to bf16, so it may sit that far from the twin: MEAN_KL_BOUND is twice the
-largest spread and MARGIN_GATE lies above the largest margin move. A wrong shard order, expert map,
-padding or prefix gives a KL of order 1.
+Bounds, from bf16 noise measured on these same checkpoints and prompts: the twin against a second bf16
+twin (write_pair's `rounding`: the same decoded weights rounded to bf16 stochastically instead of to
+nearest), both through vLLM. Over the three cases and both prompts (186 positions) that spread reached a
+mean KL of 7.5e-3 nats on one sequence (vl_mtp seq0, one position alone at KL 0.21; 0.6e-3 to 6.8e-3
+elsewhere), and it moved a top-1/top-2 margin by 0.42 at the 99th percentile and 1.6 at most (one
+position; logits here are ~±10, where one bf16 step is 0.0625); it never changed a top-1 whose margin
+was >= 1. The EXL3 copy computes with the fp16 weights that the twin rounds to bf16, so it may sit that
+far from the twin: MEAN_KL_BOUND is twice the largest spread, MARGIN_GATE = 1. Measured EXL3 vs twin:
+mean KL 1.0e-3 to 2.8e-3, margin moves <= 0.56. A wrong shard order, expert map, padding or prefix gives
+a KL of order 1.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import exl3_writer
 pytestmark = pytest.mark.slow
 
 SEED = 1717
-MEAN_KL_BOUND = 1.1e-2  # nats, KL(twin || exl3) averaged over a sequence's positions
+MEAN_KL_BOUND = 1.5e-2  # nats, KL(twin || exl3) averaged over a sequence's positions
 MARGIN_GATE = 1.0  # top-1 must agree (and greedy paths may not part) where the twin's margin is at least this
 PROMPTS = 2
 PROMPT_LEN = 32
@@ -96,8 +99,8 @@ ENGINE_EXTRA = {
 
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(SEED)
-    vocab = TEXT["vocab_size"]
-    return [[TEXT["bos_token_id"]] + torch.randint(3, vocab, (PROMPT_LEN - 1,), generator=g).tolist() for _ in range(PROMPTS)]
+    body = [torch.randint(3, TEXT["vocab_size"], (PROMPT_LEN - 1,), generator=g).tolist() for _ in range(PROMPTS)]
+    return [[TEXT["bos_token_id"], *tokens] for tokens in body]
 
 
 def start_engine(model: Path, out: Path, kwargs: dict) -> subprocess.Popen:
@@ -107,7 +110,10 @@ def start_engine(model: Path, out: Path, kwargs: dict) -> subprocess.Popen:
     }  # fmt: skip
     if textonly.torchvision_missing():
         env["PYTHONPATH"] = textonly.engine_pythonpath(os.environ)
-    argv = [sys.executable, "-P", str(RUNNER), str(model), str(out), json.dumps(kwargs), json.dumps(prompts()), str(GREEDY_STEPS)]
+    argv = [
+        sys.executable, "-P", str(RUNNER), str(model), str(out), json.dumps(kwargs), json.dumps(prompts()),
+        str(GREEDY_STEPS),
+    ]  # fmt: skip
     with out.with_suffix(".log").open("wb") as log:  # a file, not a pipe: two engines log at once
         return subprocess.Popen(argv, env=env, cwd=out.parent, stdout=log, stderr=subprocess.STDOUT)
 
@@ -209,20 +215,16 @@ def test_greedy_matches_the_bf16_twin(results, case):
     assert compared >= 4, "the greedy paths hit near ties too early to compare anything"
 
 
-def test_mtp_drafts_are_proposed_and_leave_greedy_output_unchanged(results):
-    """The EXL3 copy decodes with MTP drafts (vLLM's own counters), and its greedy output equals the twin's
-    plain greedy decoding up to a near tie. The draft weights are random, so few drafts are accepted."""
+def test_mtp_drafts_are_proposed(results):
+    """vLLM's own counters: the EXL3 copy decoded with MTP drafts, the twin without (so the vl_mtp case of
+    test_greedy_matches_the_bf16_twin compares speculative with plain greedy decoding). The draft weights
+    are random, so few drafts are accepted."""
     runs = results("vl_mtp")
     spec = runs["exl3"]["spec_decode"]
     print("spec decode counters", json.dumps(spec))
     assert spec.get("vllm:spec_decode_num_drafts", 0) > 0, spec
     assert spec.get("vllm:spec_decode_num_draft_tokens", 0) > 0, spec
-    assert runs["twin"]["spec_decode"].get("vllm:spec_decode_num_drafts", 0) == 0  # the twin decodes plainly
-    for n in range(PROMPTS):
-        report = greedy_report(runs["twin"], runs["exl3"], f"seq{n}")
-        print("mtp vs plain", f"seq{n}", json.dumps(report))
-        assert report["mismatch_step"] is None, report
-        assert report["compared"] >= 1, report
+    assert runs["twin"]["spec_decode"].get("vllm:spec_decode_num_drafts", 0) == 0, runs["twin"]["spec_decode"]
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,8 @@ def _record(storage: dict[str, Any], module: str, stored: Mapping[str, torch.Ten
         size = v.numel() * v.element_size()
         entry["stored_tensors"][name] = {"shape": list(v.shape), "n_bytes": size, "dtype": str(v.dtype)}
     if exl3 is not None:
-        entry.update(quant_format="exl3", bits_per_weight=int(exl3.bits), mul1_multiplier=manifest.MARKER_VALUES[CODEBOOK])
+        multiplier = manifest.MARKER_VALUES[CODEBOOK]
+        entry.update(quant_format="exl3", bits_per_weight=int(exl3.bits), mul1_multiplier=multiplier)
 
 
 def _quantization_config(
