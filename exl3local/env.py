@@ -46,8 +46,17 @@ ENGINE_PARENT = EnvVar(
 STALL_TIMEOUT = EnvVar(
     "EXL3LOCAL_STALL_TIMEOUT", "300", "seconds a loading engine may go without output or /health before it is restarted"
 )
+HANG_TIMEOUT = EnvVar(
+    "EXL3LOCAL_HANG_TIMEOUT", "30",
+    "seconds a READY engine may leave /health unanswered before it is killed and restarted "
+    "(a stopped engine process is restarted within ~4 s regardless)",
+)
+API_IDLE_TIMEOUT = EnvVar(
+    "EXL3LOCAL_API_IDLE_TIMEOUT", "30",
+    "seconds the daemon API waits for the next request on an open connection (or for the rest of one) before closing it",
+)
 
 ALL: tuple[EnvVar, ...] = (
-    HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, ENGINE_PARENT,
+    HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, HANG_TIMEOUT, API_IDLE_TIMEOUT, ENGINE_PARENT,
     TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET,
 )

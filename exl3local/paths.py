@@ -1,13 +1,18 @@
-"""Per-user directories (XDG via platformdirs). Each call creates the directory, user-only."""
+"""Where things are: per-user directories (XDG via platformdirs; each call creates the directory,
+user-only), and which process listens on a local TCP port (the daemon's and the engine's ports
+are checked before anyone trusts what answers there)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import platformdirs
+import psutil
 
 APP = "exl3local"
 
@@ -75,6 +80,63 @@ def daemon_log() -> Path:
 
 def pinned_profile() -> Path:
     return config_dir() / "profile"
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A listening TCP socket: its owner's pid (None: another user's process, hidden from us)."""
+
+    pid: int | None
+    ip: str
+    port: int
+
+    def describe(self) -> str:
+        if self.pid is None:
+            return "a process of another user (its pid is hidden from you)"
+        try:
+            return f"pid {self.pid} ({psutil.Process(self.pid).name()})"
+        except psutil.Error:
+            return f"pid {self.pid}"
+
+
+def _covers(listen_ip: str, host: str) -> bool:
+    """A socket bound to listen_ip receives connections for host (wildcards receive all)."""
+    return listen_ip in (host, "0.0.0.0", "::") or listen_ip == f"::ffff:{host}"
+
+
+def port_listeners(host: str, port: int) -> list[Listener]:
+    """Every socket listening for connections to host:port, system-wide (one /proc scan)."""
+    try:
+        conns = psutil.net_connections("tcp")
+    except psutil.Error:
+        return []
+    return [Listener(c.pid, c.laddr.ip, c.laddr.port) for c in conns
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and _covers(c.laddr.ip, host)]
+
+
+def listens(pid: int, host: str, port: int) -> bool:
+    """pid itself holds a socket listening for host:port (reads only that process's fds)."""
+    try:
+        conns = psutil.Process(pid).net_connections("tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port and _covers(c.laddr.ip, host) for c in conns)
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def port_holder(host: str, port: int) -> str:
+    """Who holds host:port, in words, for an error message."""
+    found = port_listeners(host, port)
+    return found[0].describe() if found else "a process that is not listening (bound only, or just closing)"
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:

@@ -1,8 +1,11 @@
 """DaemonClient: the only way the CLI, dashboard and tray talk to a running daemon (docs/api.md).
 
-The daemon serves a small JSON API on 127.0.0.1 (EXL3LOCAL_HOST). Reads are open to local
-clients; mutating calls carry the per-user token from `paths.token_file()`, which the client
-reads itself. Errors come back as `{"error": {"type", "message", "hint"}}` and are raised here
+The daemon serves a small JSON API on 127.0.0.1 (EXL3LOCAL_HOST). Status reads are open to
+local clients; mutating calls and the engine log carry the per-user token from
+`paths.token_file()`, which the client reads itself and sends only after checking that the
+process listening on the daemon address is this user's own daemon (the pid in its lock file, in
+the user-only runtime dir): another local user who took the port would otherwise collect the
+token. Errors come back as `{"error": {"type", "message", "hint"}}` and are raised here
 as the same Exl3Error subclass, so the CLI prints them like local errors.
 
 Each operation is one `_Call` (method, path, arguments, how to read the answer), built once; the
@@ -11,6 +14,7 @@ synchronous and the asyncio client differ only in how they send it.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +41,7 @@ DEFAULT_TIMEOUT_S = 5.0
 # reported through /api/status. Checks read safetensors headers only, but a slow disk can take a while.
 UP_TIMEOUT_S = 60.0
 POLL_S = 0.25
+ERROR_TAIL_LINES = 20  # of the engine's output in an EngineError: the cause is in last_error's first line
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class _Call:
     path: str
     read: Callable[[httpx.Response], Any]
     options: dict[str, Any] = field(default_factory=dict)  # json, params, timeout for httpx
+    token: bool = False  # carries the API token (mutating calls, the engine log)
 
 
 def _status(resp: httpx.Response) -> DaemonStatus:
@@ -57,9 +63,9 @@ _HEARTBEAT = _Call("GET", "/health", lambda r: r.json())
 _STATUS = _Call("GET", "/status", _status)
 _METRICS = _Call("GET", "/metrics", lambda r: r.text)
 _KERNELS = _Call("GET", "/kernels", lambda r: KernelCounts.from_json(r.json()))
-_RESTART = _Call("POST", "/restart", _status)
-_STOP = _Call("POST", "/stop", _status, {"timeout": UP_TIMEOUT_S})
-_SHUTDOWN = _Call("POST", "/shutdown", lambda r: None, {"timeout": UP_TIMEOUT_S})
+_RESTART = _Call("POST", "/restart", _status, token=True)
+_STOP = _Call("POST", "/stop", _status, {"timeout": UP_TIMEOUT_S}, token=True)
+_SHUTDOWN = _Call("POST", "/shutdown", lambda r: None, {"timeout": UP_TIMEOUT_S}, token=True)
 
 
 def _up(
@@ -71,12 +77,12 @@ def _up(
     demo: bool = False,
 ) -> _Call:
     req = UpRequest(model, profile, port, overrides or {}, demo)
-    return _Call("POST", "/up", _status, {"json": req.to_json(), "timeout": UP_TIMEOUT_S})
+    return _Call("POST", "/up", _status, {"json": req.to_json(), "timeout": UP_TIMEOUT_S}, token=True)
 
 
 def _logs(tail: int | None, offset: int | None) -> _Call:
     params = {k: v for k, v in (("tail", tail), ("offset", offset)) if v is not None}
-    return _Call("GET", "/logs", lambda r: build(LogChunk, r.json()), {"params": params})
+    return _Call("GET", "/logs", lambda r: build(LogChunk, r.json()), {"params": params}, token=True)
 
 
 def _base_url(host: str | None) -> str:
@@ -89,6 +95,32 @@ def _read_token() -> str | None:
         return paths.token_file().read_text().strip() or None
     except FileNotFoundError:
         return None
+
+
+def check_own_daemon(base_url: str) -> None:
+    """Raise DaemonUnavailable unless this user's own daemon listens at base_url: the pid in the
+    daemon's lock file (only this user can write the runtime dir) holds the listening socket, which
+    also means it runs as this user (another user's sockets are not visible to us)."""
+    url = httpx.URL(base_url)
+    host, port = url.host, url.port or 80
+    try:
+        pid: int | None = int(paths.lock_file().read_text())
+    except (OSError, ValueError):
+        pid = None
+    try:
+        ips = {ai[4][0] for ai in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+    except OSError:
+        ips = {host}
+    if pid is not None and any(paths.listens(pid, ip, port) for ip in ips):
+        return
+    found = [listener for ip in ips for listener in paths.port_listeners(ip, port)]
+    mine = f"your daemon (pid {pid}) does not listen there" if pid is not None else "your exl3local daemon is not running"
+    raise errors.DaemonUnavailable(
+        f"{host}:{port} is answered by {found[0].describe() if found else 'nothing'}, not by your exl3local daemon ({mine}); "
+        "the API token was not sent",
+        hint="another program (maybe another user's) took the daemon's port: stop it, or run your daemon on "
+             "another port with EXL3LOCAL_HOST=127.0.0.1:<port>",
+    )
 
 
 def _raise_for(resp: httpx.Response) -> None:
@@ -118,7 +150,8 @@ def _too_slow(base_url: str, call: _Call) -> errors.DaemonUnavailable:
 
 def _engine_error(st: DaemonStatus) -> errors.EngineError:
     cls = errors.EngineGaveUp if st.state == EngineState.FAILED else errors.EngineError
-    err = cls(st.state.value, st.exit_status, st.stderr_tail or (st.last_error or ""))
+    tail = "\n".join(st.stderr_tail.rstrip("\n").split("\n")[-ERROR_TAIL_LINES:])
+    err = cls(st.state.value, st.exit_status, tail or (st.last_error or ""))
     if st.last_error:
         err.message = f"{st.last_error}\n{err.message}"
         err.args = (err.message,)
@@ -139,16 +172,20 @@ class _Core:
         token: str | None = None,
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """`transport`: an httpx transport of the client's kind (tests pass a MockTransport)."""
+        """`transport`: an httpx transport of the client's kind (tests pass a MockTransport, which
+        reaches no listener: the own-daemon check before sending the token is then skipped)."""
         self.base_url = _base_url(host)
         self._token = token
+        self._check_listener = transport is None
         self._http: Any = self._HTTP(base_url=self.base_url, timeout=timeout_s, transport=transport, trust_env=False)
 
     def _request_args(self, call: _Call) -> tuple[str, str, dict[str, Any]]:
         options = dict(call.options)
-        if call.method != "GET":
+        if call.token:
             token = self._token or _read_token()
             if token:
+                if self._check_listener:
+                    check_own_daemon(self.base_url)
                 options["headers"] = {TOKEN_HEADER: token}
         return call.method, PREFIX + call.path, options
 

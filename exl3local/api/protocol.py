@@ -79,6 +79,9 @@ class DaemonStatus:
     last_error: str | None = None
     exit_status: int | None = None  # of the last engine exit
     stderr_tail: str = ""  # last <= 8 KiB of engine output after a failure
+    log_errors: int = 0  # engine output that could not be written to engine.log (full disk, ...): dropped
+    log_dropped_bytes: int = 0
+    log_last_error: str | None = None  # the latest such error, with its time
     daemon_pid: int | None = None
     daemon_uptime_s: float = 0.0
     events: tuple[dict[str, Any], ...] = ()  # recent hotplug events, newest last
@@ -158,19 +161,60 @@ class UpRequest:
 
     @classmethod
     def from_json(cls, body: Any) -> UpRequest:
+        """Strict: every key documented, every value of its JSON type (`"demo": "no"` is refused,
+        not read as true), strings bounded."""
         if not isinstance(body, dict):
             raise errors.ConfigError("POST /api/up needs a JSON object")
+        unknown = sorted(set(body) - UP_KEYS)
+        if unknown:
+            raise errors.ConfigError(f"POST /api/up: unknown key {_short(unknown[0])}",
+                                     hint=f"keys: {', '.join(sorted(UP_KEYS))}")
         port = body.get("port")
         if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535):
-            raise errors.ConfigError(f"port must be 1..65535, got {port!r}")
+            raise errors.ConfigError(f"port must be an integer 1..65535, got {_short(port)}")
         overrides = body.get("set") or {}
         if not isinstance(overrides, dict) or not all(isinstance(v, str) for v in overrides.values()):
             raise errors.ConfigError("`set` must map section.key to a string value")
+        if any(len(k) > MAX_SETTING_CHARS or len(v) > MAX_SETTING_CHARS for k, v in overrides.items()):
+            raise errors.ConfigError(f"`set`: keys and values are at most {MAX_SETTING_CHARS} characters")
         for key in ("model", "profile"):
-            if body.get(key) is not None and not isinstance(body[key], str):
-                raise errors.ConfigError(f"`{key}` must be a string")
-        return cls(model=body.get("model"), profile=body.get("profile"), port=port, overrides=overrides,
-                   demo=bool(body.get("demo")))
+            value = body.get(key)
+            if value is not None and not isinstance(value, str):
+                raise errors.ConfigError(f"`{key}` must be a string, got {_short(value)}")
+        _check_model_name(body.get("model"))
+        profile = body.get("profile")
+        if profile is not None and len(profile) > MAX_NAME_CHARS:
+            raise errors.ConfigError(f"`profile` is a name of at most {MAX_NAME_CHARS} characters")
+        demo = body.get("demo", False)
+        if not isinstance(demo, bool):
+            raise errors.ConfigError(f"`demo` must be true or false, got {_short(demo)}")
+        return cls(model=body.get("model"), profile=profile, port=port, overrides=overrides, demo=demo)
+
+
+UP_KEYS = frozenset({"model", "profile", "port", "set", "demo"})
+MAX_NAME_CHARS = 255  # a file name (NAME_MAX), a profile id
+MAX_PATH_CHARS = 4095  # PATH_MAX without the NUL
+MAX_SETTING_CHARS = 4096
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}… ({len(text)} characters)"
+
+
+def _check_model_name(model: str | None) -> None:
+    """A checkpoint path or a hub REPO[:REVISION]: bounded before it reaches the file system,
+    which answers a component over 255 bytes with an OSError that quotes all of it."""
+    if model is None:
+        return
+    if not model.strip() or "\x00" in model:
+        raise errors.ConfigError("`model` is empty or holds a NUL character")
+    if len(model.encode()) > MAX_PATH_CHARS:
+        raise errors.ConfigError(f"`model` is {len(model.encode())} bytes long; a path is at most {MAX_PATH_CHARS}")
+    longest = max(len(part.encode()) for part in model.split("/"))
+    if longest > MAX_NAME_CHARS:
+        raise errors.ConfigError(f"`model` has a path component of {longest} bytes; a file name is at most "
+                                 f"{MAX_NAME_CHARS}")
 
 
 _ERROR_TYPES: dict[str, type[errors.Exl3Error]] = {

@@ -58,13 +58,33 @@ def split_host(value: str) -> tuple[str, int]:
         raise errors.ConfigError(f"EXL3LOCAL_HOST={value!r} is not HOST:PORT") from None
 
 
+LOG_LINE_MAX_CHARS = 2000
+# Libraries whose INFO lines are not the daemon's story: httpx logs one line per request the daemon
+# makes (every dashboard poll of /api/metrics scrapes vLLM), which filled daemon.log.
+QUIET_LOGGERS = ("httpx", "httpcore")
+
+
+class ClippedFormatter(logging.Formatter):
+    """Each line of a record at most LOG_LINE_MAX_CHARS: a request can carry a 900 KB model name,
+    and the error quoting it must not copy it into daemon.log."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        lines = super().format(record).split("\n")
+        return "\n".join(f"{line[:LOG_LINE_MAX_CHARS]}… ({len(line)} characters)" if len(line) > LOG_LINE_MAX_CHARS
+                         else line for line in lines)
+
+
 def setup_logging(foreground: bool) -> None:
     handler = logging.handlers.RotatingFileHandler(paths.daemon_log(), maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
     handlers: list[logging.Handler] = [handler]
     if foreground:
         handlers.append(logging.StreamHandler())
-    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    formatter = ClippedFormatter("%(asctime)s %(name)s %(levelname)s %(message)s")
+    for h in handlers:
+        h.setFormatter(formatter)
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run(*, foreground: bool = False, initial: UpRequest | None = None,

@@ -7,7 +7,7 @@ and its Exl3Error goes back to the caller.
 from __future__ import annotations
 
 import json
-import socket
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exl3local import env, errors, manifest
+from exl3local import env, errors, manifest, paths
 from exl3local.api.protocol import UpRequest
 from exl3local.engine import launch, model_fit
 from exl3local.machine import budget, hardware
@@ -54,14 +54,29 @@ def engine_port() -> int:
     return env_number(env.ENGINE_PORT, int)
 
 
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+port_free = paths.port_free  # doctor and `up` ask the same question; the supervisor asks before every start
+
+# sockaddr_un.sun_path holds 108 bytes with the NUL. vLLM names its ZMQ IPC sockets
+# "$TMPDIR/<uuid4>" (VLLM_RPC_BASE_PATH defaults to the temp dir): 37 characters after the dir.
+UNIX_PATH_MAX = 107
+VLLM_IPC_NAME_LEN = 1 + 36
+ENGINE_TMP_PREFIX = "exl3local-"
+
+
+def engine_tmpdir() -> str:
+    """A new private (0700) temp dir for one engine: vLLM's IPC sockets, its scratch files and the
+    kernel-path counters live there; the supervisor removes it once the engine's group is gone.
+    The first candidate where vLLM's socket paths stay under the Unix limit wins: the user's
+    TMPDIR, then XDG_RUNTIME_DIR, then /tmp (a long TMPDIR made every start fail in ZMQ)."""
+    room = UNIX_PATH_MAX - VLLM_IPC_NAME_LEN - 1 - len(ENGINE_TMP_PREFIX) - 8  # mkdtemp adds 8 characters
+    candidates = [tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR") or "", "/tmp"]
+    for base in dict.fromkeys(c for c in candidates if c):
+        if len(base) <= room and os.access(base, os.W_OK | os.X_OK):
+            return tempfile.mkdtemp(prefix=ENGINE_TMP_PREFIX, dir=base)
+    raise errors.ConfigError(
+        f"no temp dir short enough for vLLM's IPC sockets: TMPDIR={tempfile.gettempdir()!r} is longer than "
+        f"{room} characters and /tmp is not writable",
+        hint=f"set TMPDIR to a writable directory of at most {room} characters")
 
 
 def read_checkpoint(model_dir: Path) -> manifest.Manifest:
@@ -89,7 +104,7 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     if not check_port(ENGINE_HOST, port):
         raise errors.ConfigError(f"port {port} on {ENGINE_HOST} is already in use, so vLLM cannot listen there",
                                  hint=f"free port {port}, or choose another with `exl3local up --port N`")
-    tmpdir = tempfile.mkdtemp(prefix="exl3local-engine-")
+    tmpdir = engine_tmpdir()
     spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=ENGINE_HOST, gpu=machine.gpu,
                         gpus=machine.device.gpus, python=engine_python)
     key = (str(model_dir), json.dumps(prof.to_json(), sort_keys=True), port)

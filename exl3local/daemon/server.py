@@ -49,6 +49,9 @@ from exl3local.machine import hardware
 log = logging.getLogger("exl3local.daemon")
 
 MAX_BODY_BYTES = 1 * 2**20
+MAX_HEADER_BYTES = 16 * 1024  # request line + headers; more is answered 431
+MAX_ERROR_CHARS = 500  # an error that quotes its input (a 900 KB model name) is cut to this in replies
+LINGER_S = 2.0  # after refusing a body, read and drop what the client still sends, so it sees the answer
 MAX_EVENTS = 20
 HOTPLUG_SETTLE_S = 1.0  # an eGPU arrives as pci add → bind → drm add: wait for the burst to end
 
@@ -73,10 +76,12 @@ class Daemon:
                  policy: Policy | None = None) -> None:
         self.host = host
         self.port = port
+        self.idle_timeout_s = env_number(env.API_IDLE_TIMEOUT, float)
         self.sysfs_root = Path(sysfs_root or env.SYSFS.get())
         self.started = time.monotonic()
         self.engine_log = EngineLog(paths.engine_log())
-        self.sup = Supervisor(policy=policy or Policy(stall_timeout_s=env_number(env.STALL_TIMEOUT, float)),
+        self.sup = Supervisor(policy=policy or Policy(stall_timeout_s=env_number(env.STALL_TIMEOUT, float),
+                                                      hang_timeout_s=env_number(env.HANG_TIMEOUT, float)),
                               on_output=self.engine_log.write, on_spawn=self._record_engine,
                               on_reaped=self._forget_engine)
         self.plan: Plan | None = None
@@ -196,10 +201,12 @@ class Daemon:
             "kv_budget_pinned": p.budget.pinned if p else False,
             "kv_budget_explain": list(p.budget.lines) if p else [],
             "max_model_len": p.budget.max_model_len if p else None,
+            **self.engine_log.health(),
             "daemon_pid": os.getpid(),
             "daemon_uptime_s": round(time.monotonic() - self.started, 3),
             "events": list(self.events),
         })  # fmt: skip
+        st["log_errors"] += self.sup.output_errors
         st.update(stats.memory_fields(st["engine_pid"], p.gpu.kind if p else None))
         return st
 
@@ -259,8 +266,14 @@ class Daemon:
                     ) -> tuple[int, str, bytes]:
         url = urlsplit(target)
         path = url.path.removeprefix(PREFIX) if url.path.startswith(PREFIX + "/") else None
-        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         try:
+            query = {k: v[-1] for k, v in parse_qs(url.query, strict_parsing=bool(url.query)).items()}
+        except ValueError:
+            return _json(error_body("malformed query string"), 400)
+        try:
+            if (method, path) in TOKEN_REQUIRED and not secrets.compare_digest(
+                    headers.get(TOKEN_HEADER.lower(), "").encode(), self.token.encode()):
+                return _json(error_body("missing or wrong API token", f"the token is in {paths.token_file()}"), 403)
             if method == "GET":
                 if path == "/health":
                     return _json({"ok": True, "daemon_pid": os.getpid(), "version": __version__,
@@ -271,19 +284,13 @@ class Daemon:
                     return _json(self.kernels())
                 if path == "/metrics":
                     return 200, "text/plain; version=0.0.4", (await self.metrics()).encode()
-                if path == "/logs":
+                if path == "/logs":  # engine output may hold prompts and secrets: the user's own only
                     tail = _int_param(query, "tail")
                     offset = _int_param(query, "offset")
                     return _json(self.engine_log.read(tail=tail, offset=offset))
-            elif method == "POST" and path in ("/up", "/restart", "/stop", "/shutdown"):
-                if not secrets.compare_digest(headers.get(TOKEN_HEADER.lower(), ""), self.token):
-                    return _json(error_body("missing or wrong API token", f"the token is in {paths.token_file()}"), 403)
+            elif method == "POST":
                 if path == "/up":
-                    try:
-                        data = json.loads(body or b"{}")
-                    except ValueError:
-                        raise errors.ConfigError("POST /api/up: body is not JSON") from None
-                    return _json(await self.up(UpRequest.from_json(data)), 202)
+                    return _json(await self.up(UpRequest.from_json(_parse_json(body))), 202)
                 if path == "/restart":
                     return _json(await self.restart(), 202)
                 if path == "/stop":
@@ -293,44 +300,50 @@ class Daemon:
                     # after the answer is on its way; the engine is already gone
                     asyncio.get_running_loop().call_later(0.1, self._stop.set)
                     return _json({"ok": True})
-            return _json(error_body(f"no such endpoint: {method} {url.path}", "see docs/api.md"), 404)
+            return _json(error_body(f"no such endpoint: {method} {_clip(url.path, 100)}", "see docs/api.md"), 404)
         except errors.Exl3Error as exc:
-            return _json(error_to_json(exc), _http_status(exc))
-        except Exception as exc:  # the API must answer; the traceback goes to daemon.log
-            log.exception("%s %s failed", method, target)
-            return _json(error_body(f"internal error: {type(exc).__name__}: {exc}", f"see {paths.daemon_log()}"), 500)
+            body_json = error_to_json(exc)
+            body_json["error"]["message"] = _clip(body_json["error"]["message"], MAX_ERROR_CHARS)
+            return _json(body_json, _http_status(exc))
+        except Exception as exc:  # the API must answer; the traceback goes to daemon.log (lines clipped there)
+            log.exception("%s %s failed", method, _clip(target, 200))
+            return _json(error_body(_clip(f"internal error: {type(exc).__name__}: {exc}", MAX_ERROR_CHARS),
+                                    f"see {paths.daemon_log()}"), 500)
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER)
+        """HTTP/1.1 with keep-alive. Each request (headers and body) must arrive within the idle
+        timeout of the previous answer, so a half-open or trickling connection is closed; too
+        large a header or body is answered 431/413 and the connection closed."""
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
         try:
             while True:
-                event = await _next_event(conn, reader)
-                if not isinstance(event, h11.Request):
-                    break
-                body = b""
-                while True:
-                    ev = await _next_event(conn, reader)
-                    if isinstance(ev, h11.Data):
-                        body += ev.data
-                        if len(body) > MAX_BODY_BYTES:
-                            raise h11.RemoteProtocolError("body too large")
-                    elif isinstance(ev, h11.EndOfMessage):
-                        break
-                    else:
-                        return
-                headers = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
-                status, ctype, payload = await self.route(event.method.decode(), event.target.decode("latin-1"),
-                                                          headers, body)
-                writer.write(conn.send(h11.Response(status_code=status, headers=[
-                    ("content-type", ctype), ("content-length", str(len(payload)))])))
-                writer.write(conn.send(h11.Data(data=payload)))
-                writer.write(conn.send(h11.EndOfMessage()))
-                await writer.drain()
+                try:
+                    async with asyncio.timeout(self.idle_timeout_s):
+                        request, body = await _read_request(conn, reader)
+                except TimeoutError:
+                    if conn.their_state is h11.SEND_BODY:  # mid-request: say why before closing
+                        await _answer(conn, writer, *_json(error_body("request body timed out"), 408), close=True)
+                    return
+                except _TooLarge as exc:
+                    await _answer(conn, writer, *_json(error_body(str(exc)), 413), close=True)
+                    await _linger(reader)
+                    return
+                if request is None:
+                    return
+                headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+                status, ctype, payload = await self.route(request.method.decode("latin-1"),
+                                                          request.target.decode("latin-1"), headers, body)
+                await _answer(conn, writer, status, ctype, payload)
                 if conn.our_state is h11.MUST_CLOSE:
-                    break
+                    return
                 conn.start_next_cycle()
-        except (h11.RemoteProtocolError, ConnectionError):
-            pass  # a client that hung up or spoke garbage; nothing to answer
+        except h11.RemoteProtocolError as exc:  # garbage, or a header too large: say so, then close
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                message = _clip(str(exc), 200) or "malformed HTTP request"
+                with contextlib.suppress(ConnectionError, h11.LocalProtocolError):
+                    await _answer(conn, writer, *_json(error_body(message), exc.error_status_hint), close=True)
+        except ConnectionError:
+            pass  # the client hung up
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError):
@@ -374,6 +387,26 @@ class Daemon:
             log.info("daemon %d stopped", os.getpid())
 
 
+TOKEN_REQUIRED = frozenset({("GET", "/logs"), ("POST", "/up"), ("POST", "/restart"), ("POST", "/stop"),
+                            ("POST", "/shutdown")})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body or b"{}")
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
+        raise errors.ConfigError("POST /api/up: the body is not a JSON object of the documented shape",
+                                 hint="see docs/api.md") from None
+
+
 def _int_param(query: Mapping[str, str], name: str) -> int | None:
     if name not in query:
         return None
@@ -396,3 +429,44 @@ async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any
         if event is not h11.NEED_DATA:
             return event
         conn.receive_data(await reader.read(65536))
+
+
+async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader) -> tuple[h11.Request | None, bytes]:
+    """The next request and its body; (None, b"") when the client closed the connection."""
+    event = await _next_event(conn, reader)
+    if not isinstance(event, h11.Request):
+        return None, b""
+    length = dict(event.headers).get(b"content-length")
+    if length is not None and int(length) > MAX_BODY_BYTES:
+        raise _TooLarge(f"request body of {int(length)} bytes; the limit is {MAX_BODY_BYTES}")
+    body = bytearray()
+    while True:
+        ev = await _next_event(conn, reader)
+        if isinstance(ev, h11.Data):
+            body += ev.data
+            if len(body) > MAX_BODY_BYTES:
+                raise _TooLarge(f"request body over the limit of {MAX_BODY_BYTES} bytes")
+        elif isinstance(ev, h11.EndOfMessage):
+            return event, bytes(body)
+        else:
+            return None, b""
+
+
+async def _answer(conn: h11.Connection, writer: asyncio.StreamWriter, status: int, ctype: str, payload: bytes,
+                  *, close: bool = False) -> None:
+    headers = [("content-type", ctype), ("content-length", str(len(payload)))]
+    if close:
+        headers.append(("connection", "close"))
+    writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
+    writer.write(conn.send(h11.Data(data=payload)))
+    writer.write(conn.send(h11.EndOfMessage()))
+    await writer.drain()
+
+
+async def _linger(reader: asyncio.StreamReader) -> None:
+    """Read and drop what a refused client still sends (for a moment), so closing does not reset
+    the connection before it has read the answer."""
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        async with asyncio.timeout(LINGER_S):
+            while await reader.read(2**20):
+                pass

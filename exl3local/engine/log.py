@@ -1,13 +1,21 @@
-"""engine.log: everything the vLLM child prints, with size rotation and byte offsets for `logs -f`."""
+"""engine.log: everything the vLLM child prints, with size rotation and byte offsets for `logs -f`.
+
+Writing must never stop the engine: the supervisor drains vLLM's stdout pipe into `write`, and a
+pipe that is not drained blocks vLLM itself (completions and /health hang). So a write that fails
+(full disk, quota, a removed directory) drops that chunk, counts it and keeps the error for
+`status`; the next chunk tries again, so logging resumes once there is room.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 LOG_MAX_BYTES = 10 * 2**20
 LOG_BACKUPS = 3
+MARK_MAX_CHARS = 2000  # a mark quotes user input (model names, errors): keep each line bounded
 
 
 class EngineLog:
@@ -18,30 +26,64 @@ class EngineLog:
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
-        self._f = open(path, "ab")  # noqa: SIM115 — held open for the daemon's life
-        self.base = -self._f.tell()  # offset of the current file's byte 0; what was there before counts as 0
+        self.errors = 0  # writes dropped since the daemon started
+        self.dropped_bytes = 0
+        self.last_error: str | None = None
+        # Unbuffered: a failed write leaves nothing behind in a buffer to be retried forever.
+        self._f: Any = None  # held open for the daemon's life; None while it cannot be opened
+        self._size = 0
+        try:
+            self._open()
+        except OSError as exc:
+            self._failed(exc, 0)
+        self.base = -self._size  # offset of the current file's byte 0; what was there before counts as 0
 
     def write(self, chunk: bytes) -> None:
-        if self._f.tell() + len(chunk) > self.max_bytes:
-            self._rotate()
-        self._f.write(chunk)
-        self._f.flush()
+        try:
+            if self._f is None or self._f.closed:  # opening or a rotation failed earlier: try again
+                self._open()
+            if self._size + len(chunk) > self.max_bytes:
+                self._rotate()
+            view = memoryview(chunk)
+            while view:
+                n = self._f.write(view)
+                self._size += n
+                view = view[n:]
+        except OSError as exc:
+            self._failed(exc, len(chunk))
+
+    def _failed(self, exc: OSError, dropped: int) -> None:
+        self.errors += 1
+        self.dropped_bytes += dropped
+        self.last_error = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.path}: {exc.strerror or exc}"
+
+    def _open(self) -> None:
+        self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115
+        self._size = os.fstat(self._f.fileno()).st_size
 
     def _rotate(self) -> None:
-        self.base += self._f.tell()
         self._f.close()
-        for i in range(self.backups - 1, 0, -1):
-            src = self.path.with_name(f"{self.path.name}.{i}")
-            if src.exists():
-                src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
-        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
-        self._f = open(self.path, "ab")  # noqa: SIM115
+        try:
+            for i in range(self.backups - 1, 0, -1):
+                src = self.path.with_name(f"{self.path.name}.{i}")
+                if src.exists():
+                    src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
+            self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+            self.base += self._size
+        finally:
+            self._open()
 
     def mark(self, text: str) -> None:
+        if len(text) > MARK_MAX_CHARS:
+            text = f"{text[:MARK_MAX_CHARS]}… ({len(text)} characters)"
         self.write(f"--- exl3local {time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n".encode())
 
     def read(self, *, tail: int | None = None, offset: int | None = None) -> dict[str, Any]:
-        data = self.path.read_bytes() if self.path.exists() else b""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(self.max_bytes + 2**20)  # bounded: rotation keeps the file under max_bytes
+        except OSError:
+            data = b""
         end = self.base + len(data)
         if offset is not None:
             # Below base: rotated away since. Past the end: an offset from an earlier daemon.
@@ -51,5 +93,10 @@ class EngineLog:
         lines = data.splitlines(keepends=True)[-(tail or 200):]
         return {"text": b"".join(lines).decode("utf-8", "replace"), "offset": end, "rotated": False}
 
+    def health(self) -> dict[str, Any]:
+        """For /api/status: writes dropped since the daemon started, and the latest error."""
+        return {"log_errors": self.errors, "log_dropped_bytes": self.dropped_bytes, "log_last_error": self.last_error}
+
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()

@@ -5,8 +5,22 @@ back to STARTING after a delay; too many fast failures in a row → FAILED (the 
 reports the stderr tail). stop = STOPPING: SIGTERM to the process group, SIGKILL after
 `stop_timeout_s`; vLLM forks EngineCore and workers, so the group is signalled, never one pid.
 
+READY is believed only from our own engine: /health must answer 200 *and* the socket listening on
+the engine port must belong to the engine's process group (another process that took the port
+after a crash would otherwise collect users' prompts). The port is checked before every start, so
+a squatted port ends in FAILED naming its owner. READY is left the moment the leader exits (before
+the group is reaped), and a liveness check while READY sees an engine that stopped answering: a
+member of the group stopped (SIGSTOP, state T) on two checks in a row, or /health failing for
+`hang_timeout_s`, kills the group and restarts it (see docs/api.md, "Liveness").
+
+The output pipe is always drained: a failing `on_output` (full disk under engine.log) never stops
+the pump, or vLLM would block writing its stdout. The first Python exception of a failed start is
+its `cause`; the same cause on two failed starts in a row is deterministic and ends in FAILED at
+once, with the cause as the first line of `last_error`.
+
 The decisions (`after_exit`, `backoff_delay_s`) are plain methods over an injected clock; the OS
-effects (spawn, health probe) are injected too, so unit tests drive them without processes.
+effects (spawn, health probe, listener owner, process states) are injected too, so unit tests
+drive them without processes.
 """
 
 from __future__ import annotations
@@ -15,15 +29,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-import httpx
 
 from exl3local import paths
 from exl3local.api.protocol import EngineState
@@ -46,6 +59,11 @@ class Policy:
     health_poll_s: float = 0.25  # while STARTING; each poll is one local HTTP request
     exit_poll_s: float = 0.5  # how often the leader's returncode is checked (idle cost: ~0.05 % CPU)
     stop_timeout_s: float = 10.0  # XPU needs ~5 s to release Level Zero/oneCCL resources
+    # READY: group process states and /health are checked this often. A stopped member on two
+    # checks in a row is a hang; /health failing for hang_timeout_s is one too (a busy engine on a
+    # loaded machine answers /health late, not never).
+    liveness_poll_s: float = 2.0
+    hang_timeout_s: float = 30.0
 
 
 class Process(Protocol):
@@ -58,6 +76,10 @@ class Process(Protocol):
 
 Spawn = Callable[[Any], Awaitable[Process]]
 Health = Callable[[Any], Awaitable[bool]]
+# (spec, engine pgid) -> None when the engine group itself listens on spec's port, else who does
+ListenerCheck = Callable[[Any, int], str | None]
+# (host, port) -> None when the port is free to bind, else who holds it
+PortCheck = Callable[[str, int], str | None]
 
 
 async def spawn_process(spec: Any) -> Process:
@@ -68,31 +90,105 @@ async def spawn_process(spec: Any) -> Process:
     )  # fmt: skip
 
 
-async def http_health(spec: Any) -> bool:
+async def http_health(spec: Any, timeout_s: float = 2.0) -> bool:
+    """GET /health on the engine port answers 200. A bare HTTP/1.0 request: this runs every
+    `liveness_poll_s` while READY, and an HTTP client per probe costs more than the probe."""
+    writer = None
     try:
-        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-            return (await client.get(spec.health_url)).status_code == 200
-    except httpx.HTTPError:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(spec.host, spec.port)
+            writer.write(f"GET /health HTTP/1.0\r\nHost: {spec.host}:{spec.port}\r\n\r\n".encode())
+            status_line = await reader.readline()
+        return status_line.split(b" ", 2)[1:2] == [b"200"]
+    except (OSError, TimeoutError):
         return False
+    finally:
+        if writer is not None:
+            writer.close()
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group, from /proc. A zombie stays in its group
+def engine_listener(spec: Any, pgid: int) -> str | None:
+    """None when a process of the engine's group listens on the engine port; else who does."""
+    if any(paths.listens(pid, spec.host, spec.port) for pid in group_members(pgid)):
+        return None
+    return paths.port_holder(spec.host, spec.port)
+
+
+def port_taken(host: str, port: int) -> str | None:
+    return None if paths.port_free(host, port) else paths.port_holder(host, port)
+
+
+def group_states(pgid: int, among: Sequence[int] | None = None) -> dict[int, str]:
+    """pid -> process state letter (R, S, D, T, t, ...) of the live (non-zombie) members of a
+    process group, from /proc: all of /proc, or only the pids `among`. A zombie stays in its group
     until reaped, and a container's PID 1 may never reap orphans: killpg(pgid, 0) would then
     report the group alive forever."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    members = {}
+    pids = among if among is not None else (int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
+    for pid in pids:
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
+            with open(f"/proc/{pid}/stat", "rb") as f:
                 stat = f.read()
         except OSError:
             continue
         fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
         if int(fields[2]) == pgid and fields[0] != b"Z":
-            members.append(int(entry.name))
+            members[pid] = fields[0].decode()
     return members
+
+
+def group_members(pgid: int) -> list[int]:
+    return list(group_states(pgid))
+
+
+def process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+# vLLM prefixes every line of its processes: "(EngineCore pid=12) ERROR 12-01 10:11:12 [core.py:1510] ".
+_LINE_PREFIX = re.compile(r"(\([^()\n]* pid=\d+\) )?((?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?)?")
+_EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: .*)?")
+_VARYING = re.compile(r"0x[0-9a-fA-F]+|\d+")  # pids, addresses, sizes: the same error with other numbers is the same
+CAUSE_MAX_CHARS = 500
+
+
+class CauseFinder:
+    """The first Python exception line of one engine start: the line that closes a traceback
+    ("Traceback (most recent call last):", indented frames, then `SomeError: message`), per
+    vLLM process, with vLLM's log prefixes removed. Chained exceptions and the EngineCore's own
+    traceback come before the API server's "Engine core initialization failed. See root cause
+    above", so the first one found is the root cause."""
+
+    def __init__(self) -> None:
+        self.cause: str | None = None
+        self._in_traceback: dict[str, bool] = {}
+        self._continue: tuple[str, int] | None = None  # pydantic's message follows on indented lines
+
+    def feed(self, line: str) -> None:
+        m = _LINE_PREFIX.match(line)
+        source, text = m.group(1) or "", line[m.end():].rstrip("\r\n")
+        if self._continue is not None and self._continue[0] == source and text.startswith(" ") and text.strip():
+            self.cause = f"{self.cause} {text.strip()}"[:CAUSE_MAX_CHARS]
+            left = self._continue[1] - 1
+            self._continue = (source, left) if left else None
+            return
+        self._continue = None
+        if text.startswith("Traceback (most recent call last):"):
+            self._in_traceback[source] = True
+        elif self._in_traceback.get(source) and not text.startswith((" ", "\t")):
+            self._in_traceback[source] = False
+            if self.cause is None and _EXCEPTION.fullmatch(text):
+                self.cause = text[:CAUSE_MAX_CHARS]
+                if re.search(r"validation errors? for \w+$", text):
+                    self._continue = (source, 2)
+
+
+def same_cause(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and _VARYING.sub("#", a) == _VARYING.sub("#", b)
 
 
 def group_alive(pgid: int) -> bool:
@@ -136,10 +232,16 @@ class Supervisor:
         on_spawn: Callable[[Any, Process], None] | None = None,
         on_reaped: Callable[[Any, Process], None] | None = None,
         kill_group: Callable[[int, float], Awaitable[bool]] = end_group,
+        listener: ListenerCheck = engine_listener,
+        port_check: PortCheck = port_taken,
+        states: Callable[[int, Sequence[int] | None], dict[int, str]] = group_states,
     ) -> None:
         self.spawn = spawn
         self.health = health
         self.kill_group = kill_group
+        self.listener = listener
+        self.port_check = port_check
+        self.states = states
         self.clock = clock
         self.policy = policy or Policy()
         self.on_output = on_output  # every chunk of engine output (the daemon's rotating log)
@@ -157,6 +259,9 @@ class Supervisor:
         self.exit_status: int | None = None
         self.stderr_tail = ""
         self.progress = ""
+        self.output_errors = 0  # chunks on_output failed to take (they still reach the tail)
+        self._cause = CauseFinder()
+        self._previous_cause: str | None = None  # of the last start that failed before READY
         self._tail: deque[bytes] = deque()
         self._tail_len = 0
         self._last_output = clock()
@@ -181,23 +286,33 @@ class Supervisor:
         """1, 2, 4 ... seconds, capped: failures is the count of fast failures in a row."""
         return min(self.policy.backoff_base_s * 2 ** max(failures - 1, 0), self.policy.backoff_max_s)
 
-    def after_exit(self, status: int | None, reason: str) -> EngineState:
-        """Decide what an engine exit leads to; the tick function of the state machine."""
+    def after_exit(self, status: int | None, reason: str, cause: str | None = None) -> EngineState:
+        """Decide what an engine exit leads to; the tick function of the state machine. `cause`:
+        the exception line the start printed, if any; the same cause on two starts that both failed
+        before READY is deterministic (a bad setting, a broken checkpoint) and gives up at once."""
         now = self.clock()
-        fast = self.ready_since is None or now - self.ready_since < self.policy.min_uptime_s
+        never_ready = self.ready_since is None
+        fast = never_ready or now - self.ready_since < self.policy.min_uptime_s
         self.fast_failures = self.fast_failures + 1 if fast else 0
+        repeated = never_ready and same_cause(cause, self._previous_cause)
+        self._previous_cause = cause if never_ready else None
         self.exit_status = status
         self.stderr_tail = self.tail_text()
-        self.last_error = reason
+        self.last_error = f"{cause}\n{reason}" if cause else reason
         self.ready_since = None
+        if repeated:
+            return self.give_up(f"{self.last_error}; the same error on {self.fast_failures} starts in a row: not retrying")
         if self.fast_failures >= self.policy.max_fast_failures:
             # BACKOFF/STARTING -> FAILED
-            self.last_error = f"{reason}; gave up after {self.fast_failures} failed starts in a row"
-            self.retry_at = None
-            return EngineState.FAILED
+            return self.give_up(f"{self.last_error}; gave up after {self.fast_failures} failed starts in a row")
         # STARTING/READY -> BACKOFF
         self.retry_at = now + (self.backoff_delay_s(self.fast_failures) if fast else self.policy.backoff_base_s)
         return EngineState.BACKOFF
+
+    def give_up(self, why: str) -> EngineState:
+        self.last_error = why
+        self.retry_at = None
+        return EngineState.FAILED
 
     def tail_text(self) -> str:
         return b"".join(self._tail).decode("utf-8", "replace")[-TAIL_BYTES:]
@@ -226,6 +341,7 @@ class Supervisor:
         self.spec = spec
         self.restarts = 0
         self.fast_failures = 0
+        self._previous_cause = None
         self.last_error = None
         self.exit_status = None
         self.stderr_tail = ""
@@ -249,33 +365,62 @@ class Supervisor:
     async def _run(self) -> None:
         try:
             while True:
+                holder = self.port_check(self.spec.host, self.spec.port)
+                if holder is not None:
+                    # Not a crash to retry: whatever holds the port would answer our users.
+                    self.exit_status = None
+                    self._set(self.give_up(
+                        f"port {self.spec.port} on {self.spec.host} is taken by {holder}, so the engine cannot "
+                        "listen there; not starting it (requests to that port would reach that process)"))
+                    return
                 proc = await self._launch()
                 if proc is None:
-                    outcome, status = "spawn", None
+                    nxt = self.after_exit(None, "the engine could not be started")
+                    self._set(nxt)
                 else:
-                    outcome, status = await self._watch(proc)
-                    await self._reap(proc)
-                reason = {
-                    "spawn": "the engine could not be started",
-                    "stall": f"no output and no /health for {self.policy.stall_timeout_s:.0f} s while loading",
-                }.get(outcome, f"the engine exited with status {status}")
-                nxt = self.after_exit(status, reason)
-                self._set(nxt)
+                    nxt = await self._run_once(proc)
                 if nxt == EngineState.FAILED:
                     return
-                log.warning("%s; restarting in %.1f s", reason, (self.retry_at or 0) - self.clock())
+                log.warning("%s; restarting in %.1f s", self.last_error, max((self.retry_at or 0) - self.clock(), 0))
                 await asyncio.sleep(max((self.retry_at or 0) - self.clock(), 0))
                 self.restarts += 1
                 self._set(EngineState.STARTING)  # BACKOFF -> STARTING
         except asyncio.CancelledError:
             if self.proc is not None:  # stop(): the group must be gone before STOPPED
-                await self._reap(self.proc)
+                await self._reap(self.proc, self.policy.stop_timeout_s)
             raise
+
+    async def _run_once(self, proc: Process) -> EngineState:
+        """One engine's life, from spawn to reaped group; the output is drained throughout."""
+        reader = asyncio.create_task(self._pump(proc))
+        try:
+            outcome, status, detail = await self._watch(proc)
+            if self.state == EngineState.READY:
+                self._set(EngineState.BACKOFF)  # leave READY the moment it is gone; FAILED may follow
+            await self._drain(reader)  # the traceback of a failed start lands in the tail
+            nxt = self._decide(outcome, status, detail)
+            self._set(nxt)
+            await self._reap(proc, 0.0 if outcome in ("hung", "squatted") else self.policy.stop_timeout_s)
+            return nxt
+        finally:
+            reader.cancel()
+
+    def _decide(self, outcome: str, status: int | None, detail: str) -> EngineState:
+        if outcome == "squatted":
+            return self.give_up(
+                f"port {self.spec.port} on {self.spec.host} answers /health but is held by {detail}, not by the "
+                "engine; the engine was stopped so that no request is served by that process")
+        reason = {
+            "stall": f"no output and no /health for {self.policy.stall_timeout_s:.0f} s while loading",
+            "hung": f"the engine stopped answering: {detail}; its process group was killed",
+        }.get(outcome, f"the engine exited with status {status}")
+        return self.after_exit(status, reason, self._cause.cause)
 
     async def _launch(self) -> Process | None:
         self._tail.clear()
         self._tail_len = 0
         self.progress = ""
+        self._cause = CauseFinder()
         self._last_output = self.clock()
         os.makedirs(self.spec.tmpdir, mode=0o700, exist_ok=True)
         try:
@@ -288,48 +433,115 @@ class Supervisor:
             self.on_spawn(self.spec, proc)
         return proc
 
-    async def _watch(self, proc: Process) -> tuple[str, int | None]:
-        """STARTING until /health answers, then READY until the process exits."""
-        reader = asyncio.create_task(self._pump(proc))
+    async def _watch(self, proc: Process) -> tuple[str, int | None, str]:
+        """STARTING until /health answers from our own group, then READY until the process exits
+        or stops answering. Returns (outcome, exit status, detail)."""
         exited = asyncio.ensure_future(self._leader_exit(proc))
         try:
             while self.state == EngineState.STARTING:
                 done, _ = await asyncio.wait({exited}, timeout=self.policy.health_poll_s)
                 if done:
-                    await asyncio.wait({reader}, timeout=1.0)  # let the last output land in the tail
-                    return "exit", proc.returncode
+                    return "exit", proc.returncode, ""
                 if await self.health(self.spec):
+                    holder = self.listener(self.spec, proc.pid)
+                    if holder is not None:
+                        return "squatted", None, holder
                     self.ready_since = self.clock()
                     self._set(EngineState.READY)  # STARTING -> READY
                     break
                 if self.clock() - self._last_output > self.policy.stall_timeout_s:
-                    return "stall", None
-            status = await exited  # READY until it exits
-            await asyncio.wait({reader}, timeout=1.0)
-            return "exit", status
+                    return "stall", None, ""
+            return await self._live(proc, exited)
         finally:
             exited.cancel()
-            reader.cancel()
+
+    async def _live(self, proc: Process, exited: asyncio.Future[int]) -> tuple[str, int | None, str]:
+        """READY until the leader exits or the engine hangs: a member stopped on two checks in a
+        row, or /health unanswered for hang_timeout_s. The members are listed once (a /proc scan)
+        and re-listed every 15 checks; in between only their own stat files are read."""
+        members: list[int] = []
+        stopped: set[int] = set()  # members seen stopped at the previous check
+        unanswered_since: float | None = None
+        check = 0
+        while True:
+            done, _ = await asyncio.wait({exited}, timeout=self.policy.liveness_poll_s)
+            if done:
+                return "exit", proc.returncode, ""
+            states = self.states(proc.pid, None if check % 15 == 0 or not members else members)
+            members, check = list(states), check + 1
+            now_stopped = {pid for pid, st in states.items() if st in "Tt"}
+            if now_stopped & stopped:
+                return "hung", None, ", ".join(f"{process_name(pid)} (pid {pid}) is stopped (state {states[pid]})"
+                                               for pid in sorted(now_stopped & stopped))
+            stopped = now_stopped
+            if await self.health(self.spec):
+                unanswered_since = None
+            elif exited.done():  # it failed /health because it just died
+                return "exit", proc.returncode, ""
+            elif unanswered_since is None:
+                unanswered_since = self.clock()
+            elif self.clock() - unanswered_since >= self.policy.hang_timeout_s:
+                return "hung", None, f"/health has not answered for {self.policy.hang_timeout_s:.0f} s"
+
+    async def _drain(self, reader: asyncio.Task[None]) -> None:
+        """Let the last output land in the tail (the traceback of a failed start): until the pipe
+        closes or stays quiet for a moment. EngineCore and workers may hold it open for seconds."""
+        deadline = self.clock() + 1.0
+        while not reader.done() and self.clock() < deadline:
+            quiet_since = self._last_output
+            await asyncio.wait({reader}, timeout=0.1)
+            if self._last_output == quiet_since and self.clock() - quiet_since > 0.2:
+                return
 
     async def _leader_exit(self, proc: Process) -> int:
         """The leader's exit status. Not proc.wait(): on Python 3.11 that also waits for every
         pipe to close, and after a kill -9 of the leader its EngineCore and workers still hold
-        stdout, so it would never return. returncode is set as soon as the child is reaped."""
+        stdout, so it would never return. A pidfd says the moment the leader dies (returncode
+        follows once asyncio's child watcher reaped it); polling returncode is the fallback."""
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (OSError, AttributeError):
+            pidfd = None
+        if pidfd is not None and proc.returncode is None:
+            loop = asyncio.get_running_loop()
+            dead = loop.create_future()
+            loop.add_reader(pidfd, lambda: dead.done() or dead.set_result(None))
+            try:
+                await dead
+            finally:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+            while proc.returncode is None:
+                await asyncio.sleep(0.01)
+        elif pidfd is not None:
+            os.close(pidfd)
         while proc.returncode is None:
             await asyncio.sleep(self.policy.exit_poll_s)
         return proc.returncode
 
     async def _pump(self, proc: Process) -> None:
+        """Drain the engine's output until EOF, whatever happens to the output's consumers: an
+        undrained pipe blocks vLLM's own writes, and with them every request."""
         if proc.stdout is None:
             return
-        while chunk := await proc.stdout.readline():
+        while True:
+            try:
+                chunk = await proc.stdout.readline()
+            except ValueError:  # a line over the reader's limit: take what is buffered, as is
+                chunk = await proc.stdout.read(64 * 1024)
+            if not chunk:
+                return
             self._keep(chunk)
             self._last_output = self.clock()
-            line = chunk.decode("utf-8", "replace").strip()
-            if line:
-                self.progress = line[-200:]
+            line = chunk.decode("utf-8", "replace")
+            self._cause.feed(line)
+            if line.strip():
+                self.progress = line.strip()[-200:]
             if self.on_output:
-                self.on_output(chunk)
+                try:
+                    self.on_output(chunk)
+                except Exception:  # noqa: BLE001 — the chunk is dropped, the pump goes on
+                    self.output_errors += 1
 
     def _keep(self, chunk: bytes) -> None:
         self._tail.append(chunk)
@@ -337,11 +549,13 @@ class Supervisor:
         while self._tail_len - len(self._tail[0]) >= TAIL_BYTES and len(self._tail) > 1:
             self._tail_len -= len(self._tail.popleft())
 
-    async def _reap(self, proc: Process) -> None:
+    async def _reap(self, proc: Process, grace_s: float) -> None:
         """The whole group goes, whatever happened to the leader; then its TMPDIR. Shielded and
-        shared, so a stop() arriving mid-reap waits for the same clean-up instead of racing it."""
+        shared, so a stop() arriving mid-reap waits for the same clean-up instead of racing it.
+        grace_s: how long SIGTERM may take before SIGKILL (0 for a stopped group: it cannot
+        handle SIGTERM, and a squatted start must not linger)."""
         if self._reaping is None or self._reaping[0] is not proc:
-            self._reaping = (proc, asyncio.ensure_future(self._end(proc)))
+            self._reaping = (proc, asyncio.ensure_future(self._end(proc, grace_s)))
         task = self._reaping[1]
         try:
             await asyncio.shield(task)
@@ -352,11 +566,11 @@ class Supervisor:
             if self.proc is proc and task.done():
                 self.proc = None
 
-    async def _end(self, proc: Process) -> None:
-        killed = await self.kill_group(proc.pid, self.policy.stop_timeout_s)
+    async def _end(self, proc: Process, grace_s: float) -> None:
+        killed = await self.kill_group(proc.pid, grace_s)
         await self._leader_exit(proc)
-        if killed:
-            log.warning("engine group %d ignored SIGTERM for %.0f s: killed", proc.pid, self.policy.stop_timeout_s)
+        if killed and grace_s:
+            log.warning("engine group %d ignored SIGTERM for %.0f s: killed", proc.pid, grace_s)
         shutil.rmtree(self.spec.tmpdir, ignore_errors=True)
         if self.on_reaped:
             self.on_reaped(self.spec, proc)

@@ -76,15 +76,27 @@ def test_up_serves_restarts_after_kill9_and_down_leaves_nothing(box, tiny_models
     assert box.cli("status").returncode == 8  # DaemonUnavailable
 
 
-def test_engine_that_crashes_at_start_backs_off_then_fails_with_its_tail(box, tiny_models):
+def test_deterministic_start_error_fails_after_two_starts_with_the_exception_first(box, tiny_models):
     up = box.cli("up", str(tiny_models[TINY]), STANDIN_MODE="crash")
     assert up.returncode == 7, up.stdout + up.stderr  # EngineGaveUp
-    assert "boom from stand-in" in up.stderr and "gave up after 3" in up.stderr
-    assert len(box.engines()) == 3
+    assert len(box.engines()) == 2  # the same exception twice: no third start
+    error = up.stderr[up.stderr.index("exl3local: error:"):]
+    assert error.splitlines()[0] == "exl3local: error: ValueError: boom from stand-in", error
+    assert "the same error on 2 starts in a row" in error and len(error.splitlines()) < 40
     st = _status(box)  # the daemon keeps answering
-    assert st["state"] == "FAILED" and st["restarts"] == 2 and st["engine_pid"] is None
+    assert st["state"] == "FAILED" and st["restarts"] == 1 and st["engine_pid"] is None
+    assert st["last_error"].splitlines()[0] == "ValueError: boom from stand-in"
     assert "ValueError: boom from stand-in" in st["stderr_tail"]
     assert "boom from stand-in" in box.cli("status").stdout
+
+
+def test_engine_that_crashes_differently_each_start_gives_up_after_three(box, tiny_models):
+    up = box.cli("up", str(tiny_models[TINY]), STANDIN_MODE="crash_varying")
+    assert up.returncode == 7, up.stdout + up.stderr
+    assert "gave up after 3" in up.stderr and len(box.engines()) == 3
+    st = _status(box)
+    assert st["state"] == "FAILED" and st["restarts"] == 2
+    assert st["last_error"].startswith("ValueError: boom from stand-in on start")
 
 
 def test_backoff_is_visible_between_crashes(box, tiny_models):
@@ -178,7 +190,7 @@ def test_api_refuses_mutations_without_the_token(box, tiny_models):
 
 
 def test_demo_and_profile_pin(box):
-    assert box.cli("profile", "claw8").returncode == 0
+    assert box.cli("profile", "claw8", "--force").returncode == 0  # not this machine's backend: pinned anyway
     shown = box.cli("profile").stdout
     assert "active    claw8" in shown and "detected  cpu" in shown
     bad = box.cli("profile", "--set", "vllm.max_num_seqs=lots")
@@ -233,7 +245,7 @@ def test_silent_engine_hits_the_stall_timeout_and_fails(box, tiny_models):
 
 
 def test_bare_up_keeps_the_served_model_without_fetching_the_profile_default(box, tiny_models):
-    assert box.cli("profile", "b70").returncode == 0  # its default is a hub model, not pulled here
+    assert box.cli("profile", "b70", "--force").returncode == 0  # its default is a hub model, not pulled here
     assert box.cli("up", str(tiny_models[TINY])).returncode == 0
     up = box.cli("up")  # no terminal, offline: fetching the default would be refused
     assert up.returncode == 0, up.stderr

@@ -67,6 +67,7 @@ class FakeProc:
 
 class Spec:
     argv = ("engine",)
+    host, port = "127.0.0.1", 1
     tmpdir: str
 
     def __init__(self, tmp_path) -> None:
@@ -98,7 +99,8 @@ def harness(tmp_path):
                 p.exit(-15)
         return False
 
-    sup = Supervisor(spawn=spawn, health=health, kill_group=kill_group,
+    sup = Supervisor(spawn=spawn, health=health, kill_group=kill_group, port_check=lambda host, port: None,
+                     listener=lambda spec, pgid: None, states=lambda pgid, among: {},
                      policy=Policy(max_fast_failures=3, backoff_base_s=0.01, health_poll_s=0.01, exit_poll_s=0.01,
                                    min_uptime_s=0.05))
     return sup, procs, healthy, killed, Spec(tmp_path)

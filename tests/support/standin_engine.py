@@ -4,8 +4,13 @@
 - STANDIN_MODE=ok (default): prints loading lines, starts a child process in its group that keeps
   stdout open (as vLLM's EngineCore does), then serves /health, /metrics and /v1/models on
   --host/--port. SIGTERM ends it and its child, like vLLM's own handler.
-- STANDIN_MODE=crash: prints a traceback tail and exits 1 at start.
+  STANDIN_LOAD_S: seconds of "loading" before the port is bound (default 0.3).
+  GET /chatty prints 256 KiB before answering: an engine whose output is not drained blocks there.
+- STANDIN_MODE=crash: prints a traceback tail and exits 1 at start (the same error every start).
+- STANDIN_MODE=crash_varying: the same, with another error message on every start.
 - STANDIN_MODE=hang: prints one line, then nothing, and never serves.
+Like vLLM, every start first binds a Unix socket "$TMPDIR/<uuid4>" (its ZMQ IPC path), so a TMPDIR
+too long for a socket path fails the start as it fails vLLM's.
 Each start appends "pid child_pid" to $STANDIN_LOG, so tests count engines and check for orphans.
 """
 
@@ -13,9 +18,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from exl3local.engine import launch
@@ -30,6 +38,15 @@ def main() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     with open(os.environ["STANDIN_LOG"], "a") as log:
         log.write(f"{os.getpid()} {child.pid}\n")
+    with open(os.environ["STANDIN_LOG"]) as log:
+        start_no = len(log.read().splitlines())
+    ipc = socket.socket(socket.AF_UNIX)
+    try:
+        ipc.bind(f"{tempfile.gettempdir()}/{uuid.uuid4()}")  # as vLLM's ipc:// sockets are named
+    except OSError as exc:
+        print(f"Traceback (most recent call last):\nzmq.error.ZMQError: {exc}", file=sys.stderr, flush=True)
+        child.terminate()
+        sys.exit(1)
 
     def stop(signum, frame):
         child.terminate()
@@ -37,9 +54,10 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     print("INFO standin: loading weights", flush=True)
-    if mode == "crash":
+    if mode in ("crash", "crash_varying"):
         time.sleep(0.2)
-        print("Traceback (most recent call last):\nValueError: boom from stand-in", file=sys.stderr, flush=True)
+        which = f" on start {'abcdefghij'[start_no % 10]}" if mode == "crash_varying" else ""
+        print(f"Traceback (most recent call last):\nValueError: boom from stand-in{which}", file=sys.stderr, flush=True)
         child.terminate()
         sys.exit(1)
     if mode == "hang":  # silent, never healthy: the stall timeout must catch it
@@ -48,8 +66,11 @@ def main() -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 — http.server's naming
+            if self.path == "/chatty":  # 256 KiB: four times a pipe's buffer
+                for _ in range(256):
+                    print("INFO standin: chatty " + "x" * 1003, flush=True)
             body = {"/health": b"", "/metrics": b"vllm:num_requests_running{engine=\"0\"} 0.0\n",
-                    "/v1/models": b'{"data": [{"id": "standin"}]}'}.get(self.path)
+                    "/v1/models": b'{"data": [{"id": "standin"}]}', "/chatty": b"ok"}.get(self.path)
             self.send_response(200 if body is not None else 404)
             self.end_headers()
             self.wfile.write(body or b"")
