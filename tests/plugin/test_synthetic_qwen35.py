@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -115,7 +116,9 @@ def start_engine(model: Path, out: Path, kwargs: dict) -> subprocess.Popen:
         str(GREEDY_STEPS),
     ]  # fmt: skip
     with out.with_suffix(".log").open("wb") as log:  # a file, not a pipe: two engines log at once
-        return subprocess.Popen(argv, env=env, cwd=out.parent, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(  # its own process group: a run cut short ends with vLLM's engine process
+            argv, env=env, cwd=out.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def engine_result(proc: subprocess.Popen, out: Path) -> dict:
@@ -160,7 +163,7 @@ def results(pairs):
             finally:
                 for proc in procs.values():
                     if proc.poll() is None:
-                        proc.kill()
+                        os.killpg(proc.pid, signal.SIGKILL)
                         proc.wait()
         return cache[case]
 
