@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from exl3local import __version__, env
 from exl3local.commands import desktop, engine, machine, models
 from exl3local.errors import Exl3Error
 from exl3local.tui.command import add_dash
@@ -24,8 +25,26 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 ]
 
 
+def environment_help() -> str:
+    """The EXL3LOCAL_* variables a user may set, with the value in effect now (set, or the default)."""
+    rows = []
+    for var in env.ALL:
+        if var.doc.startswith("internal:") or not var.name.startswith("EXL3LOCAL_"):
+            continue
+        if not var.get():
+            now = " not set"
+        elif var.name.endswith("_KEY"):
+            now = " set (not shown)"  # a secret
+        else:
+            now = f"={var.get()}" + ("" if var.name in os.environ else " (default)")
+        rows.append(f"  {var.name}{now}\n      {var.doc}")
+    return "environment (the value in effect now):\n" + "\n".join(rows)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="exl3local", description="Serve EXL3 models locally through vLLM.")
+    parser = argparse.ArgumentParser(prog="exl3local", description="Serve EXL3 models locally through vLLM.",
+                                     epilog=environment_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"exl3local {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+from exl3local import env
 
 
 def _cmd_dash(args: argparse.Namespace) -> int:
@@ -14,6 +17,7 @@ def _cmd_dash(args: argparse.Namespace) -> int:
 
 def add_dash(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dash", help="live dashboard: engine state, tokens/s, memory, kernel paths, log")
-    p.add_argument("--host", default=None, help="daemon address (default: EXL3LOCAL_HOST or 127.0.0.1:11435)")
+    p.add_argument("--host", default=None, help=f"daemon address (default {env.HOST.get()}, from {env.HOST.name}"
+                   f"{'' if env.HOST.name in os.environ else ' or its default'})")
     p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help="refresh interval (default 1)")
     p.set_defaults(handler=_cmd_dash)

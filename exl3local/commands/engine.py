@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from exl3local import paths, profiles
+from exl3local import env, paths, profiles
 from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import DaemonStatus, EngineState, UpRequest
 from exl3local.daemon import main as daemon_main
@@ -141,10 +142,14 @@ def _up_foreground(req: UpRequest) -> int:
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="serve a model (starts the daemon if needed); returns once it is READY")
+    p = sub.add_parser("up", help="serve a model (starts the daemon if needed); returns once it is READY",
+                       description=f"Serve a model. The daemon listens on {env.HOST.get()} ({env.HOST.name}); "
+                       "a daemon started here inherits this environment (EXL3LOCAL_API_KEY_FILE: the endpoint's "
+                       "API key).")
     p.add_argument("model", nargs="?", help="checkpoint directory or hub REPO[:REVISION] (default: the profile's)")
     p.add_argument("--profile", help="use this profile instead of the detected/pinned one")
-    p.add_argument("--port", type=int, help="port of the OpenAI endpoint on 127.0.0.1 (default 11436)")
+    p.add_argument("--port", type=int, help=f"port of the OpenAI endpoint on 127.0.0.1 (default {env.ENGINE_PORT.get()}"
+                   f"{', from ' if env.ENGINE_PORT.name in os.environ else ': set '}{env.ENGINE_PORT.name})")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one profile setting (repeatable)")
     p.add_argument("--demo", action="store_true", help="serve the tiny EXL3 demo model bundled in the package")
     p.add_argument("--foreground", action="store_true", help="run the daemon in this terminal; Ctrl-C stops all")

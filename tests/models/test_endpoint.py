@@ -133,3 +133,10 @@ def test_local_origins_pass_the_preflight_and_others_are_refused(served):
     r = httpx.get(_url(served, "/v1/models"), timeout=30,
                   headers={"Origin": "http://localhost:3000", "Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
+def test_doctor_knows_its_own_engine_holds_the_port_and_tells_the_models_notes(served):
+    out = served.cli("doctor", "--quick", "--", str(served.root.parent / "tools-model"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"[ok  ] port         127.0.0.1:{served.engine_port}: this daemon's engine (READY, pid " in out.stdout
+    assert "[ok  ] model        tool calls: qwen3_coder parser" in out.stdout, out.stdout
