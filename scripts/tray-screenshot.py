@@ -1,21 +1,26 @@
 """Screenshot of the tray menu for docs/: the real `TrayApp` with pystray's GTK backend, in Xvfb, docked in the
 minimal system tray of tests/desktop, right-clicked through XTEST; the daemon is a canned READY status.
 
-Needs Xvfb and GTK 3 with PyGObject (Debian: xvfb gir1.2-gtk-3.0 python3-gi); PyGObject is taken from the
-system's dist-packages when the venv has none. Usage: .venv/bin/python -P scripts/tray-screenshot.py OUT.png
+Needs Xvfb, dbus-daemon and GTK 3 with PyGObject (Debian: xvfb dbus-daemon gir1.2-gtk-3.0 python3-gi); PyGObject
+is taken from the system's dist-packages when the venv has none. GTK talks to a session bus: without one it would
+run `dbus-launch` (package dbus-x11, often missing on servers), so the script starts a private bus itself.
+Usage: .venv/bin/python -P scripts/tray-screenshot.py OUT.png
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SWITCH_PROFILE_Y = 158  # where GTK's default theme puts that item under a 16 px tray icon
+SWITCH_PROFILE_Y = 183  # where GTK's default theme puts that item under a 16 px tray icon
 STATUS = {
     "api_version": 1, "state": "READY", "model": "/home/me/.cache/huggingface/hub/…/snapshots/581c5cd1",
     "served_model_name": "turboderp/Qwen3-8B-exl3:4.0bpw", "profile": "b70",
@@ -32,12 +37,38 @@ def load_desktop_conftest():
     return conftest
 
 
+def private_session_bus() -> int | None:
+    """Start a session bus for GTK when there is none; its pid, to end it after. None: one was there."""
+    if os.environ.get("DBUS_SESSION_BUS_ADDRESS"):
+        return None
+    out = subprocess.run(["dbus-daemon", "--session", "--fork", "--print-address=1", "--print-pid=1"],
+                         capture_output=True, text=True, check=True, timeout=30).stdout.split()
+    os.environ["DBUS_SESSION_BUS_ADDRESS"] = out[0]
+    return int(out[1])
+
+
+def b70_profiles() -> list[str]:
+    """What the tray offers on the B70 desktop: the profiles for its backend, read from the test suite's
+    sysfs tree of that machine."""
+    sys.path.append(str(REPO / "tests" / "support"))
+    from sysfs_trees import MACHINES
+
+    from exl3local.commands.desktop import runnable_profiles
+
+    with tempfile.TemporaryDirectory(prefix="tray-shot-") as tmp:
+        os.environ["EXL3LOCAL_SYSFS"] = str(MACHINES["b70"](Path(tmp) / "sys"))
+        return runnable_profiles()
+
+
 def main(out: str) -> None:
     conftest = load_desktop_conftest()
     xvfb, display = conftest.start_xvfb(Path(out).with_suffix(".xvfb.log"))
+    bus = private_session_bus()
     try:
         shoot_menu(conftest, display, out)
     finally:
+        if bus is not None:
+            os.kill(bus, signal.SIGTERM)
         xvfb.terminate()
         xvfb.wait(timeout=10)
 
@@ -59,7 +90,7 @@ def shoot_menu(conftest, display: str, out: str) -> None:
     from exl3local.desktop import tray
 
     client = DaemonClient("127.0.0.1:1", transport=httpx.MockTransport(lambda r: httpx.Response(200, json=STATUS)))
-    app = tray.TrayApp(client, ["b70", "claw8", "140v", "cpu"], poll_s=0.5)
+    app = tray.TrayApp(client, b70_profiles(), poll_s=0.5)
     icon = app.icon()
 
     def shoot() -> None:
@@ -78,7 +109,7 @@ def shoot_menu(conftest, display: str, out: str) -> None:
         xtest.fake_input(d, X.MotionNotify, x=60, y=SWITCH_PROFILE_Y)  # hover: the profile submenu opens
         d.sync()
         time.sleep(1.5)
-        manager.screenshot(out, 460, 250)
+        manager.screenshot(out, 460, 285)
         icon.stop()
 
     threading.Thread(target=shoot, daemon=True).start()

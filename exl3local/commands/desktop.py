@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -10,6 +11,7 @@ from exl3local import paths, profiles
 from exl3local.api.client import DaemonClient
 from exl3local.desktop import service, tray
 from exl3local.errors import ConfigError, Exl3Error
+from exl3local.machine.select import find_device
 
 
 def _context() -> dict:
@@ -49,19 +51,29 @@ def _cmd_tray(args: argparse.Namespace) -> int:
     if not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
         raise ConfigError("no graphical session (DISPLAY and WAYLAND_DISPLAY are unset): there is no tray to sit in",
                           hint="run it from your desktop session; `exl3local status` works anywhere")  # fmt: skip
+    if importlib.util.find_spec("pystray") is None or importlib.util.find_spec("PIL") is None:
+        raise ConfigError("the tray needs pystray and Pillow (the [tray] extra)", hint="pip install 'exl3local[tray]'")
     try:
         import pystray  # noqa: F401 - picks its backend on import
-    except ImportError as err:
-        raise ConfigError(f"the tray needs the [tray] extra ({err})", hint="pip install 'exl3local[tray]'") from None
+    except ImportError as err:  # the extra is there: a backend's own dependency is missing
+        raise ConfigError(f"pystray found no usable backend: {err}",
+                          hint=tray.menu_problem() or "pip install 'exl3local[tray]' again") from None
     except Exception as err:  # pystray raises what Xlib/GTK raise when it cannot reach the display
         raise ConfigError(f"no system tray available: {type(err).__name__}: {err}",
                           hint="`exl3local status` and `exl3local dash` work without one") from None  # fmt: skip
     if not tray.backend_has_menu():
-        print("exl3local tray: this pystray backend (X11) shows no menus: the icon shows the engine state only.\n"
-              "  For the menu install PyGObject (pystray's GTK/AppIndicator backends).", file=sys.stderr)  # fmt: skip
+        why = tray.menu_problem() or ("pystray chose its X11 backend (PYSTRAY_BACKEND?), which shows no menu: "
+                                      "unset PYSTRAY_BACKEND or set it to gtk or appindicator")
+        print(f"exl3local tray: the icon shows the engine state only. {why}", file=sys.stderr)
     with DaemonClient() as client:
-        tray.TrayApp(client, profiles.names(), poll_s=args.poll).run()
+        tray.TrayApp(client, runnable_profiles(), poll_s=args.poll).run()
     return 0
+
+
+def runnable_profiles() -> list[str]:
+    """The profiles whose backend this machine serves on: switching to another would only fail."""
+    backend = find_device().gpu.backend
+    return [name for name in profiles.names() if profiles.load(name).backend == backend]
 
 
 def _add_tray(sub: argparse._SubParsersAction) -> None:

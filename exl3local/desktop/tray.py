@@ -7,12 +7,14 @@ opens the dashboard in the user's terminal, restarts the engine, switches profil
 `TrayView` (status → colour, tooltip, menu texts) and `TrayApp` (menu actions, refresh) are plain Python,
 tested without a display; pystray is imported only by `TrayApp.menu()`/`icon()`. pystray's X11 backend
 (the one a pip install gets without PyGObject) shows no menu and, in pystray 0.19.5, gets no clicks (its
-window does not select ButtonPress): there the icon only shows the state, and `exl3local tray` says how to
-get the menu (PyGObject: the GTK/AppIndicator backends).
+window does not select ButtonPress): there the icon only shows the state, and `exl3local tray` says which
+system packages give the menu (`menu_problem`: PyGObject and GTK's introspection data, for pystray's GTK and
+AppIndicator backends).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -42,7 +44,29 @@ COLOURS = {
     "FAILED": "#e5484d",
     DOWN: "#4a4f57",
 }
+# The state as the menu's first line says it.
+STATE_WORDS = {
+    "READY": "Ready",
+    "STARTING": "Starting…",
+    "BACKOFF": "Restarting after a failure",
+    "STOPPING": "Stopping…",
+    "STOPPED": "Stopped",
+    "FAILED": "Failed",
+    DOWN: "Daemon not running",
+}
 BACKGROUND = "#1f2a44"
+# What gives pystray its menu backends, per distribution family (the Python binding, then GTK 3's and the
+# AppIndicator library's introspection data). A venv sees the distribution's python3-gi only when created
+# with --system-site-packages; else `pip install PyGObject` builds it from the -dev packages named here.
+PYGOBJECT_PACKAGES = (
+    "Debian/Ubuntu: sudo apt install python3-gi gir1.2-gtk-3.0 gir1.2-ayatanaappindicator3-0.1; "
+    "Fedora: sudo dnf install python3-gobject gtk3 libayatana-appindicator-gtk3; "
+    "Arch: sudo pacman -S python-gobject gtk3 libayatana-appindicator"
+)
+PYGOBJECT_BUILD = (
+    "or in this venv: pip install PyGObject (Debian/Ubuntu first: sudo apt install libgirepository-2.0-dev "
+    "libcairo2-dev pkg-config python3-dev)"
+)
 # Terminals tried for the dashboard when neither $TERMINAL nor Debian's alternative exists; each runs `-e CMD...`.
 TERMINALS = ("x-terminal-emulator", "gnome-terminal", "konsole", "xfce4-terminal", "alacritty", "kitty", "xterm")
 CLIPBOARD_TOOLS = (("wl-copy",), ("xclip", "-selection", "clipboard"), ("xsel", "--clipboard", "--input"))
@@ -87,6 +111,14 @@ class TrayView:
         if self.state in ("FAILED", "BACKOFF") and self.detail:
             parts.append(self.detail.splitlines()[0][:120])
         return " · ".join(parts)
+
+    @property
+    def state_words(self) -> str:
+        """The menu's first line: the state in words, and for a failure its first line."""
+        words = STATE_WORDS[self.state]
+        if self.state in ("FAILED", "BACKOFF") and self.detail:
+            words += f": {self.detail.splitlines()[0][:80]}"
+        return f"Engine: {words}" if self.state != DOWN else words
 
     @property
     def serving(self) -> bool:
@@ -218,6 +250,7 @@ class TrayApp:
 
         profiles = Menu(*(profile_item(name) for name in self.profiles))
         return Menu(
+            MenuItem(lambda item: v().state_words, None, enabled=False),
             MenuItem(lambda item: f"Model: {v().model or '-'}", None, enabled=False),
             MenuItem(lambda item: f"Endpoint: {v().endpoint or '-'}", None, enabled=False),
             Menu.SEPARATOR,
@@ -251,3 +284,18 @@ def backend_has_menu() -> bool:
     import pystray
 
     return bool(pystray.Icon.HAS_MENU)
+
+
+def menu_problem() -> str | None:
+    """What this Python lacks for a tray menu, naming the packages to install; None when GTK is there."""
+    try:
+        gi = importlib.import_module("gi")
+    except ImportError:
+        return (f"PyGObject is not installed for {sys.executable}, so the tray has no menu (pystray's X11 backend "
+                f"only shows the icon). Install it: {PYGOBJECT_PACKAGES}; {PYGOBJECT_BUILD}.")
+    try:
+        gi.require_version("Gtk", "3.0")
+    except ValueError:
+        return ("PyGObject is installed but GTK 3's introspection data is not, so the tray has no menu. Install "
+                "gir1.2-gtk-3.0 (Debian/Ubuntu), gtk3 (Fedora, Arch).")
+    return None

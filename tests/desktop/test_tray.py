@@ -102,9 +102,19 @@ def test_tooltip_says_state_model_and_endpoint_or_why_it_failed():
     assert tray.TrayView.of(None).title == "exl3local: daemon not running"
 
 
-def test_menu_shows_model_and_endpoint(app):
-    items = _items(app.menu())
-    assert "Model: tiny" in items and "Endpoint: http://127.0.0.1:11436/v1" in items
+def test_menu_shows_state_in_words_model_and_endpoint(app, daemon):
+    menu = app.menu()
+    assert [item.text for item in menu.items][:3] == ["Engine: Ready", "Model: tiny", "Endpoint: http://127.0.0.1:11436/v1"]
+    items = _items(menu)
+    assert not items["Engine: Ready"].enabled
+    daemon.status = {**READY, "state": "FAILED", "last_error": "BudgetError: short by 1 GiB\nmore"}
+    app.refresh()
+    assert app.menu().items[0].text == "Engine: Failed: BudgetError: short by 1 GiB"
+    daemon.status = None
+    app.refresh()
+    assert app.menu().items[0].text == "Daemon not running"
+    daemon.status = dict(READY)
+    app.refresh()
     assert not items["Model: tiny"].enabled
     assert items["Open dashboard"].default
 
@@ -163,3 +173,47 @@ def test_cli_without_a_display_says_so():
     proc = subprocess.run([sys.executable, "-P", "-m", "exl3local", "tray"], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == ConfigError.exit_code
     assert "no graphical session" in proc.stderr
+
+
+def test_only_profiles_this_machine_can_run_are_offered(machine, xdg, monkeypatch):
+    from exl3local.commands.desktop import runnable_profiles
+
+    monkeypatch.setenv("EXL3LOCAL_SYSFS", str(machine("b70")))
+    arc = runnable_profiles()
+    assert {"b70", "claw8", "140v", "xpu"} <= set(arc) and not {"cpu", "cuda"} & set(arc)
+    monkeypatch.setenv("EXL3LOCAL_SYSFS", str(xdg / "no-sysfs"))
+    assert runnable_profiles() == ["cpu"]
+
+
+def _menu_problem(tmp_path, gi_source: str | None) -> str:
+    """tray.menu_problem() in a fresh interpreter; gi_source: a `gi` package put first on its path."""
+    path = []
+    if gi_source is not None:
+        (tmp_path / "gi").mkdir(parents=True)
+        (tmp_path / "gi" / "__init__.py").write_text(gi_source)
+        path = [str(tmp_path)]
+    code = "from exl3local.desktop import tray; print(tray.menu_problem())"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_without_pygobject_the_message_names_the_system_packages(tmp_path):
+    try:
+        import gi  # noqa: F401
+        pytest.skip("this Python has PyGObject")
+    except ImportError:
+        pass
+    said = _menu_problem(tmp_path, None)
+    assert said.startswith(f"PyGObject is not installed for {sys.executable}")
+    assert "sudo apt install python3-gi gir1.2-gtk-3.0 gir1.2-ayatanaappindicator3-0.1" in said
+    assert "sudo dnf install python3-gobject gtk3" in said and "pip install PyGObject" in said
+    assert "[tray]" not in said  # the extra is installed; naming it again would send the user in a circle
+
+
+def test_pygobject_without_gtk_data_names_that_package(tmp_path):
+    gi_without_gtk = "def require_version(namespace, version):\n    raise ValueError(f'Namespace {namespace} not available')\n"
+    said = _menu_problem(tmp_path, gi_without_gtk)
+    assert "GTK 3's introspection data is not" in said and "gir1.2-gtk-3.0 (Debian/Ubuntu)" in said
+    assert _menu_problem(tmp_path / "ok", "def require_version(namespace, version):\n    pass\n") == "None"
