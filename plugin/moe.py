@@ -167,41 +167,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             raise ConfigError(f"{self.prefix}: EXL3 MoE implements the silu-gated experts only, not {activation!r}")
         if getattr(layer, "apply_router_weight_on_input", False):
             raise ConfigError(f"{self.prefix}: routing weights on the expert input are not supported (EXL3 weights the output)")
-        global_experts = extra_weight_attrs.get("global_num_experts", num_experts)
-        groups = self.config.groups()
-        per_proj: dict[str, TensorGroup] = {}
-        for proj, ckpt in self.ckpt_names.items():
-            members = []
-            for e in range(global_experts):
-                prefix = f"{self.prefix}.{e}.{ckpt}"
-                if prefix not in groups:
-                    raise CheckpointError(self.config._file(), f"{prefix}.trellis", "an EXL3 expert tensor group", "missing")
-                refuse_packed_signs(groups[prefix])
-                members.append(groups[prefix])
-            per_proj[proj] = _uniform(members, proj)
-        if per_proj["gate"].codebook != per_proj["up"].codebook:
-            raise CheckpointError(
-                per_proj["up"].file, per_proj["up"].prefix, f"the gate's codebook {per_proj['gate'].codebook}",
-                per_proj["up"].codebook,
-            )
-        if per_proj["gate"].size_k != per_proj["up"].size_k or per_proj["gate"].size_n != per_proj["up"].size_n:
-            raise CheckpointError(per_proj["up"].file, per_proj["up"].prefix, "gate's shape", "another shape")
-
-        par = layer.moe_config.moe_parallel_config
-        tp_rank, tp_size = (par.tp_rank, par.tp_size) if not par.use_ep else (0, 1)
-        proj = {}
-        for name in ("gate", "up"):
-            g = per_proj[name]
-            n_range = split_range(g, "intermediate", intermediate_size_per_partition, g.size_n, tp_rank, tp_size)
-            k_range = split_range(g, "hidden", hidden_size, g.size_k, 0, 1)
-            proj[name] = Projection(name, g.bits, g.codebook, k_range[1] - k_range[0], n_range[1] - n_range[0], k_range, n_range)
-        g = per_proj["down"]
-        k_range = split_range(g, "intermediate", intermediate_size_per_partition, g.size_k, tp_rank, tp_size)
-        n_range = split_range(g, "hidden", hidden_size, g.size_n, 0, 1)
-        proj["down"] = Projection("down", g.bits, g.codebook, k_range[1] - k_range[0], n_range[1] - n_range[0], k_range, n_range)
-        if proj["down"].size_k != proj["gate"].size_n:
-            raise CheckpointError(g.file, g.prefix, f"padded input {proj['gate'].size_n} (gate's output)", str(proj["down"].size_k))
-
+        per_proj = self._expert_groups(extra_weight_attrs.get("global_num_experts", num_experts))
+        proj = self._projections(layer, per_proj, hidden_size, intermediate_size_per_partition)
         layer.exl3_proj = proj
         layer.exl3_groups = per_proj
         layer.exl3_hidden = hidden_size
@@ -228,6 +195,46 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             p.numel() * p.element_size() for n, p in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))
         )
         trace.add_flag("moe_arena_bytes", layer.exl3_arena_bytes)
+
+    def _expert_groups(self, global_experts: int) -> dict[str, TensorGroup]:
+        """One checkpoint group per projection, standing for all experts (uniform bits/codebook/shape)."""
+        groups = self.config.groups()
+        per_proj: dict[str, TensorGroup] = {}
+        for proj, ckpt in self.ckpt_names.items():
+            members = []
+            for e in range(global_experts):
+                prefix = f"{self.prefix}.{e}.{ckpt}"
+                if prefix not in groups:
+                    raise CheckpointError(self.config._file(), f"{prefix}.trellis", "an EXL3 expert tensor group", "missing")
+                refuse_packed_signs(groups[prefix])
+                members.append(groups[prefix])
+            per_proj[proj] = _uniform(members, proj)
+        gate, up = per_proj["gate"], per_proj["up"]
+        if gate.codebook != up.codebook:
+            raise CheckpointError(up.file, up.prefix, f"the gate's codebook {gate.codebook}", up.codebook)
+        if gate.size_k != up.size_k or gate.size_n != up.size_n:
+            raise CheckpointError(up.file, up.prefix, "gate's shape", "another shape")
+        return per_proj
+
+    def _projections(
+        self, layer: torch.nn.Module, per_proj: dict[str, TensorGroup], hidden_size: int, intermediate: int
+    ) -> dict[str, Projection]:
+        """This rank's slice of each projection: the intermediate dimension splits under tensor parallelism."""
+        par = layer.moe_config.moe_parallel_config
+        tp_rank, tp_size = (par.tp_rank, par.tp_size) if not par.use_ep else (0, 1)
+        proj = {}
+        for name in ("gate", "up"):
+            g = per_proj[name]
+            n_range = split_range(g, "intermediate", intermediate, g.size_n, tp_rank, tp_size)
+            k_range = split_range(g, "hidden", hidden_size, g.size_k, 0, 1)
+            proj[name] = Projection(name, g.bits, g.codebook, k_range[1] - k_range[0], n_range[1] - n_range[0], k_range, n_range)
+        g = per_proj["down"]
+        k_range = split_range(g, "intermediate", intermediate, g.size_k, tp_rank, tp_size)
+        n_range = split_range(g, "hidden", hidden_size, g.size_n, 0, 1)
+        proj["down"] = Projection("down", g.bits, g.codebook, k_range[1] - k_range[0], n_range[1] - n_range[0], k_range, n_range)
+        if proj["down"].size_k != proj["gate"].size_n:
+            raise CheckpointError(g.file, g.prefix, f"padded input {proj['gate'].size_n} (gate's output)", str(proj["down"].size_k))
+        return proj
 
     def _loader(self, layer: torch.nn.Module, kind: str, stem: str):
         def load(param, loaded_weight, weight_name="", shard_id="", expert_id=0, return_success=False):
