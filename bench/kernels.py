@@ -291,6 +291,26 @@ def bench_host(exl3: Exl3, shapes) -> None:
             f"{name} {row[f'{name}_host_us']:.1f} µs/{row[f'{name}_launches']} launches" for name in calls))
 
 
+def bench_splits(shapes) -> None:
+    """The fused path's split-K count (graph replay, mul1 K4): the default (triton_gemv.choose_splits, tuned for
+    the three-launch path) against a half and a quarter of it, since the last split's tail grows with it."""
+    log("\n== fused split-K (graph µs, mul1 K4) ==")
+    for k, n in shapes:
+        trellis, suh, svh = make_layer(k, n, 4, "mul1", seed=4)
+        bound = bound_linear(trellis, suh, svh, 4, "mul1")
+        launch = bound.launches[0][0]
+        default = launch.split_for(1)[0]
+        for m in (1, 16):
+            x = torch.randn(m, k, device=DEVICE[0]).half()
+            variants = {}
+            for splits in sorted({default, max(1, default // 2), max(1, default // 4)}, reverse=True):
+                launch.splits[1] = (splits, launch.k_steps // splits)
+                variants[splits] = timed(lambda: bound(x), graph=True)
+            launch.splits[1] = (default, launch.k_steps // default)
+            RESULTS.append(dict(kind="splits", k=k, n=n, m=m, default=default, variants=variants))
+            log(f"{k}x{n} M={m}: " + ", ".join(f"{sp} splits {us:.1f}" for sp, us in variants.items()))
+
+
 def bench_breakdown(shapes, bits_list=(2, 3, 4, 6, 8)) -> None:
     """Where decode time goes: input transform, matmul kernel, output transform; matmul kernel variants
     (ring-order dot: tiles per program x K tiles per step x warps x split-K; the ring FMA kernel) timed
@@ -540,6 +560,8 @@ def main() -> int:
             check_correctness(exl3)
         if due("host") and DEVICE[0] == "cuda":
             bench_host(exl3, shapes)
+        if due("splits") and DEVICE[0] == "cuda":
+            bench_splits(SHAPES_27B)
         if due("decode"):
             bench_decode(exl3, shapes, (4,) if args.quick else DECODE_BITS, ("mul1", "3inst"), DECODE_ROWS, copy_gbps)
         if due("reconstruct"):
