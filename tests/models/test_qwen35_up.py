@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 import fixture_models
-from oracle import MARGIN_GATE, MEAN_KL_GATE, OpenAIEndpoint, OracleMatch, vocab_size
+from oracle import MEAN_KL_GATE, OpenAIEndpoint, OracleMatch, vocab_size
 from private_user import clean_box, make_box
 
 pytestmark = pytest.mark.slow
@@ -61,8 +61,11 @@ def spec_decode_counter(box, name: str) -> float:
 
 @pytest.mark.parametrize("name", fixture_models.qwen35_family())
 def test_up_serves_qwen35_and_matches_exllamav3(box, tiny_models, fixtures_dir, name):
+    """Checkpoints with an MTP head serve with MTP drafts, as the b70 profile runs them: the oracle is
+    exllamav3's draft-free greedy path, so matching it up to its first near tie is "greedy output unchanged"."""
     model_dir = tiny_models[name]
-    status = up(box, model_dir)
+    mtp = name in fixture_models.with_mtp_head()
+    status = up(box, model_dir, *(MTP if mtp else ()))
     match = OracleMatch(endpoint(box, status, model_dir), fixtures_dir / "models" / name / "oracle_logits.safetensors")
     assert match.sequences
     for seq in match.sequences:
@@ -72,6 +75,12 @@ def test_up_serves_qwen35_and_matches_exllamav3(box, tiny_models, fixtures_dir, 
         assert logits["gated_disagreements"] == [], (seq, logits)
         assert logits["mean_kl"] <= MEAN_KL_GATE, (seq, logits)
         assert greedy["mismatch_step"] is None, (seq, greedy)
+    if mtp:
+        assert "prefix caching off" in status["profile_reason"], status["profile_reason"]
+        drafts = spec_decode_counter(box, "spec_decode_num_draft_tokens_total")
+        accepted = spec_decode_counter(box, "spec_decode_num_accepted_tokens_total")
+        print(name, f"MTP drafts proposed {drafts:.0f}, accepted {accepted:.0f}")
+        assert drafts > 0
     # The budget's token figure is the one vLLM reports for the same pool (KV + Gated DeltaNet state).
     ours, engine = status["kv_budget_tokens"], vllm_kv_tokens(box)
     print(name, "KV tokens: budget", ours, "vLLM", engine)
@@ -84,31 +93,7 @@ def test_up_serves_qwen35_and_matches_exllamav3(box, tiny_models, fixtures_dir, 
     text = json.loads((model_dir / "config.json").read_text())
     if "num_experts" in text.get("text_config", text):
         assert {"experts", "shared_expert"} <= served, kernels
+    if mtp:
+        assert "mtp" in served, kernels
     if "vision_config" in text:  # no torchvision here: the vision tower is skipped, and status says so
         assert "image and video input off" in status["profile_reason"], status["profile_reason"]
-
-
-@pytest.mark.parametrize("name", fixture_models.with_mtp_head())
-def test_mtp_drafts_are_proposed_and_leave_greedy_output_unchanged(box, tiny_models, fixtures_dir, name):
-    model_dir = tiny_models[name]
-    oracle = fixtures_dir / "models" / name / "oracle_logits.safetensors"
-    plain = OracleMatch(endpoint(box, up(box, model_dir), model_dir), oracle)
-    without = {seq: plain.greedy(seq) for seq in plain.sequences}
-
-    status = up(box, model_dir, *MTP)
-    assert "prefix caching off" in status["profile_reason"], status["profile_reason"]
-    match = OracleMatch(endpoint(box, status, model_dir), oracle)
-    for seq in match.sequences:
-        report = match.greedy_report(seq)
-        print(name, "mtp", seq, json.dumps({k: report[k] for k in ("compared", "mismatch_step")}))
-        assert report["mismatch_step"] is None, (seq, report)
-        # Drafts are verified two tokens per forward, which moves logits by float noise: the outputs must be equal
-        # up to the oracle's first near tie, where either choice is right.
-        margins = match.oracle[f"{seq}.greedy_margins"].tolist()
-        decided = next((i for i, m in enumerate(margins) if m < MARGIN_GATE), len(margins))
-        assert report["ours"][:decided] == without[seq][:decided], (seq, decided, report["ours"], without[seq])
-    drafts = spec_decode_counter(box, "spec_decode_num_draft_tokens_total")
-    accepted = spec_decode_counter(box, "spec_decode_num_accepted_tokens_total")
-    print(name, f"MTP drafts proposed {drafts:.0f}, accepted {accepted:.0f}")
-    assert drafts > 0
-    assert vllm_kv_tokens(box) > 0 and abs(status["kv_budget_tokens"] - vllm_kv_tokens(box)) <= 0.02 * vllm_kv_tokens(box)
