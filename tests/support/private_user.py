@@ -9,8 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
 
 
 def free_port() -> int:
@@ -65,6 +69,25 @@ class Box:
         if not log.exists():
             return []
         return [tuple(map(int, line.split())) for line in log.read_text().split("\n") if line.strip()]
+
+    def wait_status(self, pred: Callable[[dict], bool], timeout: float = 30.0) -> dict:
+        """Poll the daemon's /api/status directly until pred holds: CLI round trips are too slow
+        (~1 s on a loaded 2-core box) to see a 1 s BACKOFF window."""
+        deadline = time.monotonic() + timeout
+        st: dict = {}
+        while True:
+            try:
+                st = httpx.get(f"http://127.0.0.1:{self.daemon_port}/api/status", timeout=5).json()
+            except httpx.TransportError:
+                pass  # the daemon is not up yet
+            else:
+                if pred(st):
+                    return st
+            assert time.monotonic() < deadline, st
+            time.sleep(0.05)
+
+    def token(self) -> str:
+        return (self.runtime / "api.token").read_text()
 
     def daemon_pid(self) -> int | None:
         with contextlib.suppress(OSError, ValueError):
