@@ -33,7 +33,7 @@ async def main(out: str) -> None:
         st = client.status()
     stop = threading.Event()
     app = make_dashboard()
-    async with app.run_test(size=(120, 42)) as pilot:
+    async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause(2.0)  # a baseline scrape before the load starts
         threads = [threading.Thread(target=load, args=(st.endpoint, st.served_model_name, p, stop), daemon=True)
                    for p in PROMPTS[:2]]

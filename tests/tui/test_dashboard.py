@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from textual.widgets import Log
+from textual.widgets import Log, RichLog
 
 from exl3local.api import metrics
 from exl3local.tui.app import Dashboard, make_dashboard
@@ -176,9 +176,9 @@ async def test_keys_help_profile_logs_and_quit(wait_until, stub_daemon):
         assert not isinstance(app.screen, InfoScreen)
         await pilot.press("l")
         assert isinstance(app.screen, LogScreen)
-        full = app.screen.query_one("#log-full", Log)
-        await wait_until(pilot, lambda: full.line_count > 0)
-        assert full.lines[0] == app.query_one("#log-tail", Log).lines[0]
+        full = app.screen.query_one("#log-full", RichLog)
+        await wait_until(pilot, lambda: len(full.lines) > 0)
+        assert full.lines[0].text.rstrip() == app.query_one("#log-tail", Log).lines[0][: full.lines[0].cell_length].rstrip()
         await pilot.press("l")
         assert not isinstance(app.screen, LogScreen)
         await pilot.press("q")

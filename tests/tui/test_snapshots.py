@@ -10,7 +10,7 @@ from exl3local.tui.widgets.throughput import ThroughputPanel
 from exl3local.tui.widgets.engine import EnginePanel
 from exl3local.tui.widgets.kernels import KernelPanel
 
-SIZE = (120, 42)
+SIZE = (120, 40)
 POLL_ONCE_S = 3600.0
 # Port 9 (discard) on loopback: nothing listens there, and the address in the message stays fixed.
 NO_DAEMON_URL = "http://127.0.0.1:9"

@@ -74,14 +74,19 @@ class MemoryPanel(Widget):
         gpu_source = raw.get("engine_gpu_memory_source")
         integrated = st.gpu is not None and st.gpu.kind == "integrated"
         grid = Table.grid(padding=(0, 1))
-        grid.add_column(style="bold", no_wrap=True)
-        grid.add_column(no_wrap=True)
-        grid.add_column(overflow="fold")
+        # labels and bars keep their width; only the numbers' column gives way (with an ellipsis)
+        grid.add_column(style="bold", no_wrap=True, min_width=len("GPU ceiling"))
+        grid.add_column(no_wrap=True, min_width=BAR_WIDTH)
+        # numbers never wrap (a wrapped "20.0 / GiB free" reads as two values): cut with an ellipsis instead
+        grid.add_column(no_wrap=True, overflow="ellipsis")
         if integrated:
             self._shared_pool(grid, st, total, available, gpu_bytes, gpu_source)
         else:
             self._separate(grid, st, total, available, gpu_bytes, gpu_source)
-        grid.add_row("KV cache", *self._kv(st))
+        shown, size, detail = self._kv(st)
+        grid.add_row("KV cache", shown, size)
+        if detail:
+            grid.add_row("", "", detail)
         return Group(grid)
 
     def _separate(self, grid: Table, st: DaemonStatus, total, available, gpu_bytes, gpu_source) -> None:
@@ -91,7 +96,7 @@ class MemoryPanel(Widget):
             grid.add_row(
                 "System RAM",
                 bar([(engine, "magenta"), (used - engine, "cyan")], total),
-                f"{human_bytes(used)} of {human_bytes(total)}, {human_bytes(available)} free",
+                f"{human_bytes(used)} used of {human_bytes(total)}",
             )
         else:
             grid.add_row("System RAM", "", Text("not reported by this daemon", style="dim"))
@@ -118,21 +123,23 @@ class MemoryPanel(Widget):
         grid.add_row(
             "Shared RAM",
             bar([(kv, "green"), (engine - kv, "magenta"), (others, "cyan")], total),
-            f"{human_bytes(total - available)} of {human_bytes(total)}, {human_bytes(available)} free",
+            f"{human_bytes(total - available)} used of {human_bytes(total)}",
         )
         source = f"fdinfo {gpu_source.replace('drm-resident-', '')}" if gpu_source else "RSS"
         grid.add_row("", Text("█ KV", style="green"), human_bytes(kv))
-        grid.add_row("", Text("█ weights+rest", style="magenta"), f"{human_bytes(engine - kv)} (engine {human_bytes(engine)}, {source})")
+        grid.add_row("", Text("█ weights+rest", style="magenta"), human_bytes(engine - kv))
         grid.add_row("", Text("█ other", style="cyan"), human_bytes(others))
+        grid.add_row("Engine", "", f"{human_bytes(engine)} ({source})")
         if st.gpu is not None and st.gpu.memory_bytes:
             grid.add_row("GPU ceiling", "", f"{human_bytes(st.gpu.memory_bytes)} usable by the GPU")
 
-    def _kv(self, st: DaemonStatus) -> tuple[RenderableType, RenderableType]:
+    def _kv(self, st: DaemonStatus) -> tuple[RenderableType, RenderableType, str]:
+        """Bar, size with use, and a second line: tokens and how the budget was set."""
         if st.kv_budget_bytes is None:
-            return Text(""), Text("–", style="dim")
+            return Text(""), Text("–", style="dim"), ""
         usage = self.kv_usage
-        tokens = f", {st.kv_budget_tokens:,} tok" if st.kv_budget_tokens else ""
         how = "pinned" if st.kv_budget_pinned else "estimate"
         shown = bar([(usage, "green")], 1.0) if usage is not None else Text("")
-        used = f", {usage * 100:.1f}% used" if usage is not None else ""
-        return shown, f"{human_bytes(st.kv_budget_bytes)}{tokens} ({how}){used}"
+        used = f"{usage * 100:.1f}% used of " if usage is not None else ""
+        tokens = f"{st.kv_budget_tokens:,} tokens, " if st.kv_budget_tokens else ""
+        return shown, f"{used}{human_bytes(st.kv_budget_bytes)}", f"{tokens}{how}"
