@@ -10,8 +10,10 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -205,7 +207,8 @@ def format_status(st: DaemonStatus) -> str:
         ("state", st.state.value + (f" (retry in {st.retry_in_s:.0f}s)" if st.retry_in_s else "")),
         ("model", st.model or "-"),
         ("served as", st.served_model_name or "-"),
-        ("profile", f"{st.profile or '-'}  {st.profile_reason}".rstrip()),
+        ("profile", st.profile or "-"),
+        *(("", part) for part in st.profile_reason.split("; ") if part),
         ("GPU", f"{gpu.name} ({gpu.kind}{', ' + gpu.pci_id if gpu.pci_id else ''}, {format_bytes(gpu.memory_bytes)})"
          if gpu else "-"),
         ("KV budget", f"{format_bytes(st.kv_budget_bytes)} = {st.kv_budget_tokens} tokens"
@@ -219,7 +222,10 @@ def format_status(st: DaemonStatus) -> str:
     ]
     if st.last_error:
         rows.append(("last error", st.last_error))
-    out = "\n".join(f"{k:<11} {v}" for k, v in rows)
+    width = max(shutil.get_terminal_size().columns, 60)
+    # long values wrap at words under their column, not at the terminal's edge mid-word
+    out = "\n".join(textwrap.fill(v, width, initial_indent=f"{k:<11} ", subsequent_indent=" " * 12,
+                                   break_long_words=False, break_on_hyphens=False) for k, v in rows)
     if st.stderr_tail and st.state.value in ("FAILED", "BACKOFF"):
         tail = "\n".join(st.stderr_tail.rstrip().splitlines()[-15:])
         out += "\n--- engine output (last lines) ---\n" + tail

@@ -28,15 +28,16 @@ class Phase:
 # In the order vLLM goes through them (vLLM 0.32's messages, on the CPU and GPU engines alike).
 PHASES = (
     Phase("importing vLLM", re.compile(r"")),
-    Phase("reading the model config", re.compile(r"non-default args|Resolved architecture")),
+    # any line of vLLM's API server process: vLLM is imported and reads the model's config
+    Phase("reading the model config", re.compile(r"APIServer pid=|non-default args|Resolved architecture")),
     Phase("starting the engine process", re.compile(r"Initializing a V1 LLM engine|EngineCore pid")),
     Phase("loading weights", re.compile(r"Starting to load model|checkpoint shards|Loading weights took")),
     Phase("allocating the KV cache", re.compile(r"KV cache size|for KV cache|Available KV cache memory|"
                                                 r"num_gpu_blocks")),
     Phase("warming up / compiling", re.compile(r"[Ww]arming up|Compiling a graph|torch\.compile takes|"
                                                r"Capturing CUDA graphs|create kv cache, warmup model")),
-    Phase("starting the HTTP server", re.compile(r"Starting vLLM (API )?server|Available routes|Route: |"
-                                                 r"Application startup|Waiting for application startup")),
+    Phase("starting the HTTP server", re.compile(r"Supported tasks|Scale-out endpoints|Starting vLLM (API )?server|"
+                                                 r"Available routes|Route: |Application startup")),
 )
 SHARDS = re.compile(r"checkpoint shards:\s*\d+%[^|]*\|\s*(\d+)/(\d+)")
 

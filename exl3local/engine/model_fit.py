@@ -61,7 +61,8 @@ TOOL_FORMATS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("<|python_tag|>",), "llama3_json", "Llama 3 <|python_tag|> JSON"),
 )
 THINK_TAGS = ("<think>", "</think>")
-TOOLS_HOW_TO = "turn them on with `--set vllm.tool_call_parser=NAME` (a vLLM tool parser for the model's format)"
+# (a note is one clause of status' "; "-joined profile_reason: no "; " inside)
+TOOLS_HOW_TO = "turn them on with `--set vllm.tool_call_parser=NAME`, NAME a vLLM tool parser for the model's format"
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def choose_parsers(man: Manifest, profile: profiles.Profile) -> Parsers:
     if tool:
         notes.append(f"tool calls: {tool} parser (set in the profile)")
     elif not template:
-        notes.append(f"tool calls off: the checkpoint has no chat template; {TOOLS_HOW_TO}")
+        notes.append(f"tool calls off (the checkpoint has no chat template): {TOOLS_HOW_TO}")
     else:
         hit = next(((name, what) for markers, name, what in TOOL_FORMATS if all(m in template for m in markers)), None)
         if hit:
@@ -101,7 +102,7 @@ def choose_parsers(man: Manifest, profile: profiles.Profile) -> Parsers:
             notes.append(f"tool calls: {tool} parser (the chat template writes {hit[1]})")
         else:
             kind = text_config(man.config).get("model_type") or man.architecture
-            notes.append(f"tool calls off: no known tool-call format in the chat template of this {kind} model; "
+            notes.append(f"tool calls off (no known tool-call format in the chat template of this {kind} model): "
                          + TOOLS_HOW_TO)
     reasoning = profile.vllm.get("reasoning_parser")
     if not reasoning and all(tag in template for tag in THINK_TAGS):

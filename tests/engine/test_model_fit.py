@@ -127,7 +127,8 @@ def test_an_unknown_format_keeps_tools_off_and_says_how_to_turn_them_on(tiny_mod
     assert "llama model" in note and "--set vllm.tool_call_parser=NAME" in note
     # no template at all (the fallback one is ours, without tools)
     bare = fit(tiny_models, "tiny-llama-exl3-4.0bpw", {}, torchvision_missing=False)
-    assert any(n.startswith("tool calls off: the checkpoint has no chat template") for n in bare.notes)
+    assert any(n.startswith("tool calls off (the checkpoint has no chat template): turn them on") for n in bare.notes)
+    assert not any("; " in n for n in bare.notes + fitted.notes)  # status splits profile_reason at "; "
     # the user's choice wins, and turns auto tool choice on with it
     chosen = fit(tiny_models, "tiny-llama-exl3-4.0bpw", {"vllm.tool_call_parser": "pythonic"}, torchvision_missing=False)
     assert chosen.profile.vllm["tool_call_parser"] == "pythonic" and chosen.profile.vllm["enable_auto_tool_choice"]
