@@ -152,16 +152,17 @@ def process_name(pid: int) -> str:
 # vLLM prefixes every line of its processes: "(EngineCore pid=12) ERROR 12-01 10:11:12 [core.py:1510] ".
 _LINE_PREFIX = re.compile(r"(\([^()\n]* pid=\d+\) )?((?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?)?")
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: .*)?")
+_USAGE_ERROR = re.compile(r"[\w .-]+: error: .+")  # argparse: "vllm: error: unrecognized arguments: --x"
 _VARYING = re.compile(r"0x[0-9a-fA-F]+|\d+")  # pids, addresses, sizes: the same error with other numbers is the same
 CAUSE_MAX_CHARS = 500
 
 
 class CauseFinder:
-    """The first Python exception line of one engine start: the line that closes a traceback
-    ("Traceback (most recent call last):", indented frames, then `SomeError: message`), per
-    vLLM process, with vLLM's log prefixes removed. Chained exceptions and the EngineCore's own
-    traceback come before the API server's "Engine core initialization failed. See root cause
-    above", so the first one found is the root cause."""
+    """The first error of one engine start: a command-line usage error ("vllm: error: ..."), or
+    the Python exception line that closes a traceback ("Traceback (most recent call last):",
+    indented frames, then `SomeError: message`), per vLLM process, with vLLM's log prefixes
+    removed. Chained exceptions and the EngineCore's own traceback come before the API server's
+    "Engine core initialization failed. See root cause above", so the first one is the root cause."""
 
     def __init__(self) -> None:
         self.cause: str | None = None
@@ -179,6 +180,8 @@ class CauseFinder:
         self._continue = None
         if text.startswith("Traceback (most recent call last):"):
             self._in_traceback[source] = True
+        elif self.cause is None and not source and _USAGE_ERROR.fullmatch(text):
+            self.cause = text[:CAUSE_MAX_CHARS]
         elif self._in_traceback.get(source) and not text.startswith((" ", "\t")):
             self._in_traceback[source] = False
             if self.cause is None and _EXCEPTION.fullmatch(text):

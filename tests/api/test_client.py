@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 import httpx
 import pytest
 
-from exl3local import errors
+from exl3local import errors, paths
 from exl3local.api import client as api
 from exl3local.api.protocol import EngineState
 
@@ -49,3 +52,34 @@ def test_wait_ready_raises_gave_up_with_the_tail():
     with pytest.raises(errors.EngineGaveUp) as err:
         c.wait_ready(poll_s=0)
     assert "ValueError: x" in str(err.value) and "exited 1" in str(err.value)
+
+
+def test_the_engine_log_carries_the_token_and_status_does_not():
+    seen = {}
+
+    def handler(req):
+        seen[req.url.path] = req.headers.get(api.TOKEN_HEADER)
+        if req.url.path == "/api/logs":
+            return httpx.Response(200, json={"text": "x", "offset": 1})
+        return httpx.Response(200, json={"state": "READY"})
+
+    c = _client(handler)
+    c.logs(tail=5)
+    c.status()
+    assert seen == {"/api/logs": "t0k", "/api/status": None}
+
+
+def test_the_token_is_not_sent_where_the_users_daemon_does_not_listen(xdg, monkeypatch):
+    """A real listener that is not the daemon in our lock file: refused before any byte is sent."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(errors.DaemonUnavailable, match="the API token was not sent") as err:
+            api.check_own_daemon(f"http://127.0.0.1:{port}")
+        assert "your exl3local daemon is not running" in str(err.value) and f"pid {os.getpid()}" in str(err.value)
+        paths.lock_file().write_text(str(os.getpid()))  # "our daemon" is this process, which does listen there
+        api.check_own_daemon(f"http://127.0.0.1:{port}")
+        paths.lock_file().write_text("1")  # a daemon pid that does not hold the socket
+        with pytest.raises(errors.DaemonUnavailable, match=r"your daemon \(pid 1\) does not listen there"):
+            api.check_own_daemon(f"http://127.0.0.1:{port}")

@@ -11,10 +11,18 @@ from exl3local.errors import ConfigError
 from exl3local.machine import hardware
 
 
-@pytest.mark.parametrize("body", [[], {"port": 0}, {"port": "80"}, {"set": {"a.b": 1}}, {"model": 3}])
+@pytest.mark.parametrize("body", [[], {"port": 0}, {"port": "80"}, {"port": True}, {"set": {"a.b": 1}}, {"model": 3},
+                                  {"demo": "no"}, {"demo": 1}, {"demo": None}, {"modle": "x"}, {"model": ""},
+                                  {"model": "a\x00b"}, {"model": "m" * 256}, {"model": "/" + "d/" * 2100},
+                                  {"profile": "p" * 256}, {"set": {"vllm.x": "v" * 5000}}])
 def test_bad_up_requests_are_config_errors(body):
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError) as err:
         UpRequest.from_json(body)
+    assert len(err.value.message) < 200  # never echoes the input whole
+
+
+def test_names_at_the_limits_are_accepted():
+    assert UpRequest.from_json({"model": "/models/" + "m" * 255, "demo": True}).demo is True
 
 
 def test_an_up_request_survives_the_wire():

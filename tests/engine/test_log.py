@@ -25,3 +25,35 @@ def test_engine_log_rotates_and_offsets_report_it(tmp_path):
     behind = log.read(offset=after["offset"])  # lines went to files the client never read
     assert behind["rotated"] and behind["text"].startswith("c")
     log.close()
+
+
+def test_a_full_disk_drops_and_counts_writes_and_logging_resumes_when_there_is_room(tmp_path):
+    (tmp_path / "engine.log").symlink_to("/dev/full")  # every write fails with ENOSPC
+    log = EngineLog(tmp_path / "engine.log")
+    for _ in range(3):
+        log.write(b"x" * 100 + b"\n")  # never raises: the engine's output pipe must keep draining
+    log.mark("up: " + "m" * 10_000)
+    assert log.errors == 4 and 3 * 101 + 2000 < log.dropped_bytes < 3 * 101 + 2100  # the mark was clipped
+    assert "No space left on device" in log.health()["log_last_error"]
+    log.close()
+    (tmp_path / "engine.log").unlink()  # room again: a fresh daemon's log works
+    log = EngineLog(tmp_path / "engine.log", max_bytes=150)
+    log.write(b"a" * 100 + b"\n")
+    log.write(b"b" * 100 + b"\n")  # rotates
+    assert log.errors == 0 and (tmp_path / "engine.log").read_bytes() == b"b" * 100 + b"\n"
+    log.close()
+
+
+def test_a_failed_rotation_is_counted_and_retried(tmp_path):
+    log = EngineLog(tmp_path / "engine.log", max_bytes=150, backups=1)
+    log.write(b"a" * 100 + b"\n")
+    (tmp_path / "engine.log.1").mkdir()  # the rename target is a non-empty directory: rotation fails
+    (tmp_path / "engine.log.1" / "x").write_text("keeps it non-empty")
+    log.write(b"b" * 100 + b"\n")
+    assert log.errors == 1 and "engine.log" in log.last_error
+    (tmp_path / "engine.log.1" / "x").unlink()
+    (tmp_path / "engine.log.1").rmdir()
+    log.write(b"c" * 100 + b"\n")  # next write rotates and lands
+    assert log.errors == 1 and (tmp_path / "engine.log").read_bytes() == b"c" * 100 + b"\n"
+    assert log.read(tail=1)["offset"] == 101 + 101  # the dropped line takes no offset
+    log.close()

