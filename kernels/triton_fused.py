@@ -5,7 +5,7 @@ Per program (16·BNT = 128 output columns = one Hadamard block, one K split of s
 16·KT rows, split as triton_gemv.choose_splits splits the three-launch path): the ring-order decode matmul
 of triton_gemv.exl3_ring_dot_kernel on u = fp16(H(x⊙suh)) (triton_hadamard.input_transform); then every
 split stores its partial (fp32) and bumps a per-block counter, and the program that finds itself last sums
-the partials (a fixed order for a given split count: deterministic) and writes y = H128(Σ) ⊙ svh (+ bias) through ring_cols,
+the partials in split order (deterministic) and writes y = H128(Σ) ⊙ svh (+ bias) through ring_cols,
 EPILOGUE_ROWS rows at a time.
 
 The epilogue needs no reordering: ring_cols permutes the bits of a column index within a 128-block, and
@@ -33,7 +33,6 @@ FUSED_BLOCK_N_TILES = 8  # 128 output columns per program: one Hadamard block, s
 # Ints that change from call to call: never specialised on (a compiled kernel serves every row count).
 VARYING_ARGS = ["M", "stride_ym", "stride_zs"]
 EPILOGUE_ROWS = tl.constexpr(4)
-SPLIT_LOADS = tl.constexpr(2)
 
 
 @triton.jit
@@ -66,14 +65,9 @@ def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bi
         r = r0 + tl.arange(0, EPILOGUE_ROWS)
         mask = (r < row0 + rows)[:, None]
         z_offs = r.to(tl.int64)[:, None] * size_n + (col0 + c)[None, :]
-        # SPLIT_LOADS partials per load: one serial L2 round trip per partial made the tail of a 64-split
-        # launch (5120x1024) cost more than the matmul
-        acc = tl.zeros((EPILOGUE_ROWS, 128), dtype=tl.float32)
-        for sp0 in range(0, splits, SPLIT_LOADS):
-            sp = sp0 + tl.arange(0, SPLIT_LOADS)
-            part = tl.load(z_ptr + sp.to(tl.int64)[:, None, None] * stride_zs + z_offs[None, :, :],
-                           mask=(sp < splits)[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg")
-            acc += tl.sum(part, axis=0)
+        acc = tl.load(z_ptr + z_offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for sp in range(1, splits):
+            acc += tl.load(z_ptr + sp * stride_zs + z_offs, mask=mask, other=0.0, cache_modifier=".cg")
         y = had128_rows(acc, EPILOGUE_ROWS) * SCALE * svh
         if HAS_BIAS:
             y += bias
