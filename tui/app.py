@@ -260,7 +260,7 @@ def profile_info(st: DaemonStatus | None) -> Table | Text:
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column(overflow="fold")
     grid.add_row("Profile", st.profile or "–")
-    grid.add_row("Why", st.profile_reason or "–")
+    grid.add_row("Why", "\n".join(st.profile_reason.split("; ")) or "–")
     grid.add_row("Model", st.model or "–")
     grid.add_row("Served as", st.served_model_name or "–")
     grid.add_row("Context", f"{st.max_model_len:,} tokens" if st.max_model_len else "–")

