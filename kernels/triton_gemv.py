@@ -4,9 +4,11 @@ never written out.
 `exl3_ring_dot_kernel` (v3): per K step, KT×BNT tiles are decoded in ring order (triton_decode.ring_operand)
 into one fp16 dot operand; activations are loaded through the same row order, results stored through the
 column order. One kernel for 1..16 rows (a 16-row dot tile), MoE units (one unit per program, expert id
-read on the device) and, for the prefill comparison in bench/kernels.py, 32- and 64-row tiles.
+read on the device) and, for the prefill comparison in bench/kernels.py, 32- and 64-row tiles. The
+dispatch runs its loop inside triton_fused.exl3_fused_kernel (with the output transform as epilogue);
+this kernel serves the three-launch baseline (`gemv`), the bench and the ncu target.
 tl.dot = MMA on NVIDIA, DPAS on Arc. `exl3_gemv_ring_kernel` (v2) multiplies each decoded weight into
-each row with FMAs instead; it still serves one row at the rates where it measured faster.
+each row with FMAs instead; with its epilogue (EPILOGUE) it serves one row at FMA_ONE_ROW_BITS.
 
 Layouts:
     u        fp16 (rows, k)            the input transform's output (triton_hadamard.input_transform)
@@ -249,10 +251,10 @@ def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook:
 
 def gemv(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float,
          codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x·W (+ bias): input transform, ring-order matmul (Ŵ decoded in registers, never written),
-    output transform. Rows share one 16-row dot tile (the dispatch sends at most GEMV_MAX_ROWS = 16; larger
-    counts get 32/64-row tiles, which bench/kernels.py compares with the reconstruct path); one row at rates
-    other than DOT_ONE_ROW_BITS runs the FMA ring kernel."""
+    """y = x·W (+ bias) in three launches (v3): input transform, ring-order matmul (Ŵ decoded in registers,
+    never written), output transform. The dispatch uses the two-launch path of kernels/bound.py instead;
+    this stays as bench/kernels.py's same-run baseline and for its 32/64-row tile comparison with the
+    reconstruct path. One row at rates other than DOT_ONE_ROW_BITS runs the FMA ring kernel."""
     rows = x2d.shape[0]
     u = input_transform(x2d, suh)
     if rows == 1 and bits not in DOT_ONE_ROW_BITS:
