@@ -344,6 +344,8 @@ class Daemon:
                     await _answer(conn, writer, *_json(error_body(message), exc.error_status_hint), close=True)
         except ConnectionError:
             pass  # the client hung up
+        except asyncio.CancelledError:
+            pass  # daemon shutdown with the connection open: nothing awaits this task
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError):
