@@ -136,7 +136,7 @@ def port_free(host: str, port: int) -> bool:
 def port_holder(host: str, port: int) -> str:
     """Who holds host:port, in words, for an error message."""
     found = port_listeners(host, port)
-    return found[0].describe() if found else "a process that is not listening (bound only, or just closing)"
+    return found[0].describe() if found else "a socket that is bound but not listening"
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:

@@ -102,7 +102,8 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     bud = machine.fit(man, mem, prof)
     port = req.port or engine_port()
     if not check_port(ENGINE_HOST, port):
-        raise errors.ConfigError(f"port {port} on {ENGINE_HOST} is already in use, so vLLM cannot listen there",
+        raise errors.ConfigError(f"port {port} on {ENGINE_HOST} is already in use (by "
+                                 f"{paths.port_holder(ENGINE_HOST, port)}), so vLLM cannot listen there",
                                  hint=f"free port {port}, or choose another with `exl3local up --port N`")
     tmpdir = engine_tmpdir()
     spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=ENGINE_HOST, gpu=machine.gpu,

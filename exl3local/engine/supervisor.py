@@ -11,7 +11,7 @@ after a crash would otherwise collect users' prompts). The port is checked befor
 a squatted port ends in FAILED naming its owner. READY is left the moment the leader is reaped
 (before its group is), and a liveness check while READY sees an engine that stopped answering: a
 member of the group stopped (SIGSTOP, state T) on two checks in a row, or /health failing for
-`hang_timeout_s`, kills the group and restarts it (see docs/api.md, "Liveness").
+`hang_timeout_s`, kills the group and restarts it (docs/api.md, "When READY is said").
 
 The output pipe is always drained: a failing `on_output` (full disk under engine.log) never stops
 the pump, or vLLM would block writing its stdout. The first Python exception of a failed start is

@@ -106,7 +106,7 @@ def test_taken_port_is_refused_naming_the_port(box, tiny_models):
         s.bind(("127.0.0.1", box.engine_port))
         s.listen()
         up = box.cli("up", str(tiny_models[TINY]))
-    assert up.returncode == 2 and f"port {box.engine_port}" in up.stderr
+    assert up.returncode == 2 and f"port {box.engine_port}" in up.stderr and f"pid {os.getpid()}" in up.stderr
     assert "Traceback" not in up.stderr
     assert box.engines() == []
 
