@@ -200,6 +200,26 @@ def ring_tiles(tn0, tiles_n, KT: tl.constexpr, BNT: tl.constexpr, W32: tl.conste
 
 
 @triton.jit
+def ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, tk0, steps, tn0, KA: tl.constexpr, HALF: tl.constexpr,
+             W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr, BM: tl.constexpr, BNT: tl.constexpr,
+             KT: tl.constexpr):
+    """acc [BM, 16·BNT] fp32 = u[rm, K range] · Ŵ[K range, BNT tiles from tile column tn0], columns in ring
+    order, over `steps` steps of KT tile rows from tile row tk0: the K loop every ring dot kernel shares.
+    The operand is in ring order, so the activations are loaded through ring_rows."""
+    tile_off, s = ring_tiles(tn0, tiles_n, KT, BNT, W32, G)
+    row_base = w_base + tk0.to(tl.int64) * tiles_n * W32
+    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk0 * 16 + ring_rows(tl.arange(0, 16 * KT))[None, :]
+    acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
+    for _ in range(steps):
+        w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK)
+        u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
+        acc = tl.dot(u, w, acc)
+        row_base += KT * tiles_n * W32
+        u_ptrs += 16 * KT
+    return acc
+
+
+@triton.jit
 def ring_rows(i):
     """In-tile-block row of ring-operand k index i (16 per tile row)."""
     return (i >> 4) * 16 + 2 * ((i >> 2) & 3) + (i & 1) + 8 * ((i >> 1) & 1)

@@ -3,7 +3,7 @@ transform, for up to 16 rows and for MoE (token, expert) units. Two launches per
 
 Per program (16·BNT = 128 output columns = one Hadamard block, one K split of steps_per_split steps of
 16·KT rows, split as triton_gemv.choose_splits splits the three-launch path): the ring-order decode matmul
-of triton_gemv.exl3_ring_dot_kernel on u = fp16(H(x⊙suh)) (triton_hadamard.input_transform); then every
+of triton_gemv.exl3_ring_dot_kernel (triton_decode.ring_dot) on u = fp16(H(x⊙suh)) (triton_hadamard.input_transform); then every
 split stores its partial (fp32) and bumps a per-block counter, and the program that finds itself last sums
 the partials in split order (deterministic) and writes y = H128(Σ) ⊙ svh (+ bias) through ring_cols,
 EPILOGUE_ROWS rows at a time.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from exl3local.kernels.triton_decode import ring_cols, ring_operand, ring_rows, ring_tiles
+from exl3local.kernels.triton_decode import ring_cols, ring_dot
 
 FUSED_BLOCK_N_TILES = 8  # 128 output columns per program: one Hadamard block, so the epilogue is local
 # Ints that change from call to call: never specialised on (a compiled kernel serves every row count).
@@ -108,17 +108,8 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         mask_m = rm < M
         row0 = pid_m * BM
         rows = tl.minimum(M - row0, BM)
-    tile_off, s = ring_tiles(pid_n * BNT, tiles_n, KT, BNT, W32, G)
-    tk0 = pid_s * steps_per_split * KT  # first tile row of this split
-    row_base = w_base + tk0.to(tl.int64) * tiles_n * W32
-    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk0 * 16 + ring_rows(tl.arange(0, 16 * KT))[None, :]
-    acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
-    for _ in range(steps_per_split):
-        w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK)
-        u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
-        acc = tl.dot(u, w, acc)
-        row_base += KT * tiles_n * W32
-        u_ptrs += 16 * KT
+    acc = ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, pid_s * steps_per_split * KT, steps_per_split,
+                   pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT)
     # Every split stores its partial; the last one to arrive (or the only one) finishes the block.
     c = tl.arange(0, 128)
     z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]

@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 
 from exl3local.kernels.triton_decode import (
-    decode_state, lanes_per_superlane, rate_constants, ring_cols, ring_operand, ring_rows, ring_state, ring_tiles,
-    words,
+    decode_state, lanes_per_superlane, rate_constants, ring_cols, ring_dot, ring_state, words,
 )
 from exl3local.kernels.triton_fused import finish_block
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
@@ -159,7 +158,7 @@ def exl3_gemv_ring_kernel(u_ptr, w_ptr, z_ptr, M, size_k, tiles_n, tk_per_split,
 
 
 @triton.jit
-def exl3_ring_dot_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, tk_per_split, expert_words, stride_zs,
+def exl3_ring_dot_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, steps_per_split, expert_words, stride_zs,
                          KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
                          CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr,
                          BM: tl.constexpr, BNT: tl.constexpr, KT: tl.constexpr):
@@ -175,20 +174,10 @@ def exl3_ring_dot_kernel(u_ptr, w_ptr, ids_ptr, z_ptr, M, size_k, tiles_n, tk_pe
     else:
         rm = pid_m * BM + tl.arange(0, BM)
         mask_m = rm < M
-    # The operand is in ring order: activations are loaded, and results stored, through the same maps.
-    k_rows = ring_rows(tl.arange(0, 16 * KT))
+    acc = ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, pid_s * steps_per_split * KT, steps_per_split,
+                   pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT)
+    # The operand is in ring order: results are stored through the column map.
     cols = pid_n * 16 * BNT + ring_cols(tl.arange(0, 16 * BNT))
-    tile_off, s = ring_tiles(pid_n * BNT, tiles_n, KT, BNT, W32, G)
-    tk_start = pid_s * tk_per_split
-    row_base = w_base + tk_start.to(tl.int64) * tiles_n * W32
-    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk_start * 16 + k_rows[None, :]
-    acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
-    for _ in range(0, tk_per_split, KT):
-        w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK)
-        u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
-        acc = tl.dot(u, w, acc)
-        row_base += KT * tiles_n * W32
-        u_ptrs += 16 * KT
     tl.store(z_ptr + pid_s * stride_zs + rm.to(tl.int64)[:, None] * (tiles_n * 16) + cols[None, :], acc,
              mask=mask_m[:, None])
 
@@ -213,7 +202,7 @@ def ring_dot_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codeb
     expert_words = trellis[0].numel() // 2 if ids is not None else 0
     exl3_ring_dot_kernel[(n_blocks, splits, m_blocks)](
         u, words(trellis), ids if ids is not None else u, z,
-        rows, size_k, tiles_n, tiles_k // splits, expert_words, z.stride(0), **rate_constants(bits, codebook),
+        rows, size_k, tiles_n, tiles_k // splits // block_kt, expert_words, z.stride(0), **rate_constants(bits, codebook),
         HAS_IDS=ids is not None, BM=block_m, BNT=block_nt, KT=block_kt,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -33,12 +33,13 @@ TARGETS = {"cuda": GPUTarget("cuda", 90, 32), "xpu": GPUTarget("xpu", XE2_PROPER
 MATRIX_LAYOUT = {"cuda": "#ttg.nvidia_mma<", "xpu": "#triton_intel_gpu.dpas<"}
 DOT_OPS = ("tt.dot ", "ttng.warp_group_dot ")  # Hopper's wgmma form replaces tt.dot for 64-row tiles
 MATMUL_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "ids_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32",
-               "tiles_n": "i32", "tk_per_split": "i32", "expert_words": "i32", "stride_zs": "i32"}
+               "tiles_n": "i32", "steps_per_split": "i32", "expert_words": "i32", "stride_zs": "i32"}
 FUSED_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i64",
               "y_ptr": "*bf16", "z_ptr": "*fp32", "cnt_ptr": "*i32",
               **{name: "i32" for name in ("M", "tiles_n", "stride_ym", "n_out", "k_steps", "steps_per_split",
                                           "expert_words", "stride_zs")}}
-FMA_ARGS = {**{name: kind for name, kind in MATMUL_ARGS.items() if name not in ("ids_ptr", "expert_words")},
+FMA_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32", "tiles_n": "i32",
+            "tk_per_split": "i32", "stride_zs": "i32",
             "svh_ptr": "*fp16", "bias_ptr": "*fp16", "y_ptr": "*bf16", "cnt_ptr": "*i32", "stride_ym": "i32",
             "n_out": "i32"}
 BACKEND = ["cuda"]
