@@ -115,9 +115,9 @@ def check_own_daemon(base_url: str) -> None:
         return
     found = [listener for ip in ips for listener in paths.port_listeners(ip, port)]
     mine = f"your daemon (pid {pid}) does not listen there" if pid is not None else "your exl3local daemon is not running"
+    who = found[0].describe() if found else "nothing"
     raise errors.DaemonUnavailable(
-        f"{host}:{port} is answered by {found[0].describe() if found else 'nothing'}, not by your exl3local daemon ({mine}); "
-        "the API token was not sent",
+        f"{host}:{port} is answered by {who}, not by your exl3local daemon ({mine}); the API token was not sent",
         hint="another program (maybe another user's) took the daemon's port: stop it, or run your daemon on "
              "another port with EXL3LOCAL_HOST=127.0.0.1:<port>",
     )

@@ -150,7 +150,8 @@ def process_name(pid: int) -> str:
 
 
 # vLLM prefixes every line of its processes: "(EngineCore pid=12) ERROR 12-01 10:11:12 [core.py:1510] ".
-_LINE_PREFIX = re.compile(r"(\([^()\n]* pid=\d+\) )?((?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?)?")
+_LINE_PREFIX = re.compile(r"(\([^()\n]* pid=\d+\) )?"
+                          r"((?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?)?")
 _EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: .*)?")
 _USAGE_ERROR = re.compile(r"[\w .-]+: error: .+")  # argparse: "vllm: error: unrecognized arguments: --x"
 _VARYING = re.compile(r"0x[0-9a-fA-F]+|\d+")  # pids, addresses, sizes: the same error with other numbers is the same
@@ -311,7 +312,8 @@ class Supervisor:
         self.last_error = f"{cause}\n{reason}" if cause else reason
         self.ready_since = None
         if repeated:
-            return self.give_up(f"{self.last_error}; the same error on {self.fast_failures} starts in a row: not retrying")
+            return self.give_up(
+                f"{self.last_error}; the same error on {self.fast_failures} starts in a row: not retrying")
         if self.fast_failures >= self.policy.max_fast_failures:
             # BACKOFF/STARTING -> FAILED
             return self.give_up(f"{self.last_error}; gave up after {self.fast_failures} failed starts in a row")
