@@ -27,6 +27,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from exl3local import env, kernels
 from exl3local.errors import CheckpointError, ConfigError
 from exl3local.kernels import reference
+from exl3local.kernels.bound import BoundLinear
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_cols, hadamard_rows
 from exl3local.manifest import MARKER_VALUES, TensorGroup
 from exl3local.plugin import trace
@@ -296,6 +297,13 @@ class Exl3LinearMethod(LinearMethodBase):
             layer.exl3_kernels.append(kernel)
             trace.note_layer(type(kernel).__name__)
         layer.exl3_dense = None
+        # Launches bound once (weights, grids, scratch): a decode call then costs two launches per part and no
+        # Python-side shape logic; parts whose kernel is not Triton run through each kernel's apply.
+        layer.exl3_bound = BoundLinear(
+            [(k, *self.part_tensors(layer, p), p.out_features) for p, k in zip(layer.exl3_parts, layer.exl3_kernels, strict=True)],
+            layer.exl3_in_features,
+        )
+        layer.exl3_bound.reserve()
         if env.DECODE_ONCE.get_bool():
             layer.exl3_dense = self.dense_weight(layer).to(layer.exl3_act_dtype)
             if not trace.counters().snapshot()["flags"].get("decode_once"):
@@ -326,15 +334,7 @@ class Exl3LinearMethod(LinearMethodBase):
         if layer.exl3_dense is not None:
             trace.count(DECODE_ONCE_PATH, rows, layer.exl3_role)
             return F.linear(x, layer.exl3_dense, bias)
-        parts = layer.exl3_parts
         for path in {kernel.path_for(rows) for kernel in layer.exl3_kernels}:  # parts may differ in bits
             trace.count(path, rows, layer.exl3_role)
-        pad = parts[0].size_k - x.shape[-1]
-        xp = F.pad(x, (0, pad)) if pad else x
-        outs = []
-        for part, kernel in zip(parts, layer.exl3_kernels, strict=True):
-            trellis, suh, svh = self.part_tensors(layer, part)
-            y = kernel.apply(xp, trellis, suh, svh)
-            outs.append(y[..., : part.out_features] if part.size_n != part.out_features else y)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        out = layer.exl3_bound(x)
         return out + bias if bias is not None else out

@@ -300,6 +300,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             trace.note_layer(f"{type(layer.exl3_kernels[name]).__name__} moe")
         layer.exl3_moe_refusal = triton_moe_refusal(layer.exl3_kernels, layer.exl3_proj)
         if layer.exl3_moe_refusal is None:
+            self._bind_grouped(layer)
             trace.note_layer("triton_moe.moe_decode moe")
         else:
             trace.set_flag("moe_decode_refused", layer.exl3_moe_refusal)
@@ -347,24 +348,42 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         h = F.silu(self.project(layer, "gate", e, x)) * self.project(layer, "up", e, x)
         return self.project(layer, "down", e, h)
 
+    @staticmethod
+    def _bind_grouped(layer: torch.nn.Module) -> None:
+        """Both projections' launches bound once, over zero-copy views of the arenas: w13 as 2E experts (row 2e
+        is expert e's gate, 2e+1 its up), w2 as E; workspace sized for the largest verify step up front."""
+        from exl3local.kernels.bound import bind_moe
+
+        gate, down = layer.exl3_proj["gate"], layer.exl3_proj["down"]
+        E = layer.w13_trellis.shape[0]
+        layer.exl3_moe_bound = (
+            bind_moe(layer.w13_trellis.view(2 * E, *gate.trellis_shape), layer.w13_suh.view(2 * E, gate.size_k),
+                     layer.w13_svh.view(2 * E, gate.size_n), gate.bits, gate.codebook),
+            bind_moe(layer.w2_trellis, layer.w2_suh, layer.w2_svh, down.bits, down.codebook),
+        )
+        for bound in layer.exl3_moe_bound:
+            bound.reserve(VERIFY_MAX_TOKENS * 2 * layer.top_k)
+
     def grouped_units(self, layer, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Decode/verify through triton_moe.moe_decode: every (token, expert) unit at once, ids read on the
-        device (no host sync). Returns (T, padded hidden) fp32, weights applied to down's outputs."""
+        device (no host sync), launches bound at load time. Returns (T, padded hidden) fp32, weights applied
+        to down's outputs."""
         from exl3local.kernels.triton_moe import moe_decode
 
         gate, down = layer.exl3_proj["gate"], layer.exl3_proj["down"]
+        bound13, bound2 = layer.exl3_moe_bound
         E = layer.w13_trellis.shape[0]
         tokens, top_k = ids.shape
         local = ids >= 0  # -1: another rank's expert, contributes nothing
         ids = torch.where(local, ids, 0)
-        # Zero-copy views of the w13 arenas as 2E experts: row 2e is expert e's gate, 2e+1 its up.
         w13 = layer.w13_trellis.view(2 * E, *gate.trellis_shape)
         suh13 = layer.w13_suh.view(2 * E, gate.size_k)
         svh13 = layer.w13_svh.view(2 * E, gate.size_n)
         ids13 = torch.stack((2 * ids, 2 * ids + 1), -1).view(tokens, 2 * top_k)
-        gu = moe_decode(xf, w13, suh13, svh13, gate.bits, gate.codebook, ids13).view(tokens, top_k, 2, gate.size_n)
+        gu = moe_decode(xf, w13, suh13, svh13, gate.bits, gate.codebook, ids13, bound=bound13)
+        gu = gu.view(tokens, top_k, 2, gate.size_n)
         h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens * top_k, gate.size_n)
-        y = moe_decode(h, layer.w2_trellis, layer.w2_suh, layer.w2_svh, down.bits, down.codebook, ids)
+        y = moe_decode(h, layer.w2_trellis, layer.w2_suh, layer.w2_svh, down.bits, down.codebook, ids, bound=bound2)
         y = y.float() * torch.where(local, weights, 0.0)[..., None]
         return y.sum(1)
 

@@ -8,6 +8,7 @@ tensors (fixtures: the tiny llama 4.0bpw EXL3 checkpoint).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -310,3 +311,17 @@ def test_legacy_packed_signs_are_refused_by_name(vllm_linear, config):
     layer = torch.nn.Module()
     with pytest.raises(CheckpointError, match=r"o_proj\.suh.*legacy packed signs su"):
         Exl3LinearMethod(config, group.prefix, [legacy]).create_weights(layer, 256, [256], 256, 256, torch.bfloat16)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
+def test_forced_triton_layer_runs_its_bound_launches_and_matches_the_reference(monkeypatch, vllm_linear, config, tensors):
+    """The path GPUs take: each part's launches bound at load time, writing its columns of the output in place."""
+    monkeypatch.setenv("EXL3LOCAL_DISABLED_KERNELS", "TorchReferenceKernel")
+    layer = qkv(vllm_linear, config)
+    load(layer, tensors, {s: f"{LAYER}.self_attn.{s}_proj" for s in "qkv"}, loaded_via_layer=True)
+    assert layer.exl3_bound.launches is not None and len(layer.exl3_bound.launches) == 3
+    x = torch.randn(3, 256, dtype=torch.float16)
+    y = layer.quant_method.apply(layer, x)
+    expected = torch.cat([ref(x.float(), tensors, f"{LAYER}.self_attn.{s}_proj") for s in "qkv"], -1)
+    assert y.shape == expected.shape
+    torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2)  # fp16 activations, fp32 accumulation
