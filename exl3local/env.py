@@ -55,8 +55,15 @@ API_IDLE_TIMEOUT = EnvVar(
     "EXL3LOCAL_API_IDLE_TIMEOUT", "30",
     "seconds the daemon API waits for the next request on an open connection (or for the rest of one) before closing it",
 )
+API_KEY_FILE = EnvVar(
+    "EXL3LOCAL_API_KEY_FILE", "", "file whose first line is the key clients must send to the OpenAI endpoint (Bearer)"
+)
+API_KEY = EnvVar("EXL3LOCAL_API_KEY", "", "the endpoint's key itself, when no key file is set (the file is safer)")
+CORS_ORIGINS = EnvVar(
+    "EXL3LOCAL_CORS_ORIGINS", "", "internal: the profile's [endpoint] cors_origins as JSON, set for the engine"
+)
 
 ALL: tuple[EnvVar, ...] = (
-    HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, HANG_TIMEOUT, API_IDLE_TIMEOUT, ENGINE_PARENT,
-    TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET,
+    HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, HANG_TIMEOUT, API_IDLE_TIMEOUT, API_KEY_FILE, API_KEY,
+    ENGINE_PARENT, CORS_ORIGINS, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET,
 )

@@ -30,11 +30,11 @@ FALLBACK_CHAT_TEMPLATE = paths.bundled("demo", "chat_template.jinja")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 # The endpoint's CORS layer (engine/cors.py), loaded into vLLM's API server; its origins travel in the env.
 CORS_MIDDLEWARE = "exl3local.engine.cors.LocalOrigins"
-CORS_ORIGINS_ENV = "EXL3LOCAL_CORS_ORIGINS"
+CORS_ORIGINS_ENV = env.CORS_ORIGINS.name
 # The endpoint's API key: read from the daemon's environment at each start and handed to vLLM in its own
 # environment (VLLM_API_KEY), never on its command line, where `ps` and vLLM's logged arguments show it.
-API_KEY_FILE_ENV = "EXL3LOCAL_API_KEY_FILE"
-API_KEY_ENV = "EXL3LOCAL_API_KEY"
+API_KEY_FILE_ENV = env.API_KEY_FILE.name
+API_KEY_ENV = env.API_KEY.name
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 # Profile switches vLLM turns on unless told `--no-...`; the others are off unless given.
 VLLM_SWITCHES_ON_BY_DEFAULT = frozenset({"enable_prefix_caching"})
