@@ -222,6 +222,9 @@ def format_status(st: DaemonStatus) -> str:
     ]
     if st.last_error:
         rows.append(("last error", st.last_error))
+    if st.log_errors:
+        rows.append(("engine log", f"{st.log_errors} writes failed, {format_bytes(st.log_dropped_bytes)} of engine output "
+                                   f"dropped (serving goes on); last: {st.log_last_error or '?'}"))
     width = max(shutil.get_terminal_size().columns, 60)
     # long values wrap at words under their column, not at the terminal's edge mid-word
     out = "\n".join(textwrap.fill(v, width, initial_indent=f"{k:<11} ", subsequent_indent=" " * 12,

@@ -97,3 +97,13 @@ def test_status_puts_each_note_on_its_own_line_wrapped_at_words(monkeypatch):
     assert out[at + 3].startswith("            tool calls off (the checkpoint")
     assert "`--set vllm.tool_call_parser=NAME`" in " ".join(out)  # never broken inside a word
     assert all(len(line) <= 80 for line in out)
+
+
+def test_status_says_when_engine_output_could_not_be_logged():
+    from exl3local.commands.engine import format_status
+
+    ok = format_status(DaemonStatus(state=EngineState.READY))
+    assert "engine log" not in ok
+    full = format_status(DaemonStatus(state=EngineState.READY, log_errors=3, log_dropped_bytes=4096,
+                                      log_last_error="12:00:01 [Errno 28] No space left on device"))
+    assert "3 writes failed, 4.0 KiB of engine output dropped" in full and "No space left" in full
