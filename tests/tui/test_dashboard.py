@@ -227,3 +227,15 @@ def test_make_dashboard_defaults_to_the_env_host(monkeypatch):
     monkeypatch.setenv("EXL3LOCAL_HOST", "127.0.0.1:12345")
     app = make_dashboard()
     assert isinstance(app, Dashboard) and app.client.base_url == "http://127.0.0.1:12345"
+
+
+async def test_engine_log_write_errors_are_shown_while_serving(wait_until, stub_daemon):
+    stub_daemon.set_status("status_ready.json")
+    stub_daemon.status = {**stub_daemon.status, "log_errors": 2, "log_dropped_bytes": 8192,
+                          "log_last_error": "12:00:01 [Errno 28] No space left on device"}
+    app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
+    async with app.run_test(size=SIZE) as pilot:
+        engine = app.query_one(EnginePanel)
+        await wait_until(pilot, lambda: engine.status is not None)
+        text = rendered(engine)
+        assert "READY" in text and "2 writes failed" in text and "No space left" in text

@@ -50,7 +50,8 @@ class EnginePanel(Widget):
         st = self.status
         shape = (
             self.lost,
-            None if st is None else (st.state, st.progress != "", st.last_error, st.stderr_tail, st.profile_reason),
+            None if st is None else (st.state, st.progress != "", st.last_error, st.stderr_tail, st.profile_reason,
+                                     st.log_errors > 0),
         )
         if shape != self._shape:
             self._shape = shape
@@ -92,6 +93,9 @@ class EnginePanel(Widget):
             parts.append(Text(st.progress, style="yellow", overflow="ellipsis", no_wrap=True))
         if st.last_error and st.state != EngineState.READY:
             parts.append(Text(st.last_error, style="red"))
+        if st.log_errors:
+            parts.append(Text(f"engine.log: {st.log_errors} writes failed ({st.log_last_error or '?'}); output dropped, "
+                              "serving goes on", style="yellow"))  # rare and important: wraps rather than clips
         if st.state == EngineState.FAILED and st.stderr_tail:
             tail = st.stderr_tail.strip().splitlines()[-4:]
             parts.append(Text("\n".join(tail), style="red dim", overflow="ellipsis"))
