@@ -149,16 +149,7 @@ def _engine_port_owner(client: DaemonClient, port: int) -> str | None:
     return None
 
 
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    results: list[tuple[bool | None, str, str]] = []
-    console = Console(stderr=True)
-
-    def check(name: str, ok: bool | None, detail: str) -> None:
-        results.append((ok, name, detail))
-        mark = {True: "ok  ", False: "FAIL", None: "warn"}[ok]
-        print(f"[{mark}] {name:<12} {detail}", flush=True)
-
-    device = find_device()
+def _check_gpu(device, check) -> None:
     gpu = device.gpu
     listed = "; ".join(f"{g.name} {g.pci_id} at {g.slot} ({g.driver or 'no driver'})" for g in device.gpus) or "none"
     check("gpu", gpu.vendor != "cpu" or None, f"{device.reason} [all: {listed}]")
@@ -171,6 +162,39 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         wanted = hardware.PCI_MODELS[gpu.device_id].driver if gpu.device_id in hardware.PCI_MODELS else None
         check("driver", gpu.driver in ("xe", "i915") or False,
               f"{gpu.driver or 'none'} bound (default for this device: {wanted})")
+
+
+def _check_daemon_and_port(check) -> None:
+    """Whether the daemon runs, and who holds the engine port (our own engine is fine)."""
+    port = int(env.ENGINE_PORT.get())
+    with DaemonClient() as client:
+        try:
+            pid = client.heartbeat().get("daemon_pid")
+            where = f"running (pid {pid}) at {client.base_url}"
+            ours = _engine_port_owner(client, port)
+        except DaemonUnavailable:
+            where, ours = f"not running at {client.base_url}", None
+    if ours:
+        check("port", True, f"{ENGINE_HOST}:{port}: {ours}")
+    elif port_free(ENGINE_HOST, port):
+        check("port", True, f"{ENGINE_HOST}:{port} is free")
+    else:
+        check("port", None, f"{ENGINE_HOST}:{port} is in use by another program: free it, or serve on another port "
+              "with `up --port N` (or EXL3LOCAL_ENGINE_PORT)")
+    check("daemon", True, f"{where}; logs in {paths.log_dir()}")
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    results: list[tuple[bool | None, str, str]] = []
+    console = Console(stderr=True)
+
+    def check(name: str, ok: bool | None, detail: str) -> None:
+        results.append((ok, name, detail))
+        mark = {True: "ok  ", False: "FAIL", None: "warn"}[ok]
+        print(f"[{mark}] {name:<12} {detail}", flush=True)
+
+    device = find_device()
+    _check_gpu(device, check)
     python = env.ENGINE_PYTHON.get() or sys.executable
     if not args.quick:
         with console.status(f"importing vLLM and the exl3 plugin in {python} (about 10 s; --quick skips it)"):
@@ -188,22 +212,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             check("model", None if note.startswith("tool calls off") else True, note)
     except Exl3Error as exc:
         check("memory", False, f"{exc}" + (f" ({exc.hint})" if exc.hint else ""))
-    port = int(env.ENGINE_PORT.get())
-    with DaemonClient() as client:
-        try:
-            pid = client.heartbeat().get("daemon_pid")
-            where = f"running (pid {pid}) at {client.base_url}"
-            ours = _engine_port_owner(client, port)
-        except DaemonUnavailable:
-            where, ours = f"not running at {client.base_url}", None
-    if ours:
-        check("port", True, f"{ENGINE_HOST}:{port}: {ours}")
-    elif port_free(ENGINE_HOST, port):
-        check("port", True, f"{ENGINE_HOST}:{port} is free")
-    else:
-        check("port", None, f"{ENGINE_HOST}:{port} is in use by another program: free it, or serve on another port "
-              "with `up --port N` (or EXL3LOCAL_ENGINE_PORT)")
-    check("daemon", True, f"{where}; logs in {paths.log_dir()}")
+    _check_daemon_and_port(check)
     for var in env.ALL:
         if var.name in os.environ:
             value = "(set, not shown)" if var.name.endswith("_KEY") else os.environ[var.name]  # a secret
