@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,9 +58,16 @@ def squatter(box):
 
 
 def _until_line(proc: subprocess.Popen, line: str, timeout: float = 60.0) -> None:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, f"no {line!r} from pid {proc.pid} in {timeout:.0f} s"
-    assert proc.stdout.readline() == line + "\n"
+    """The next line of proc's output, within timeout. Read by a thread, not select(): when the port is
+    free at once, "waiting" and "bound" arrive together and the second already sits in the pipe's reader
+    buffer, where select() on the descriptor cannot see it."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        got = lines.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"no {line!r} from pid {proc.pid} in {timeout:.0f} s") from None
+    assert got == line + "\n", got
 
 
 def test_port_squatted_after_a_crash_ends_failed_naming_the_owner(box, tiny_models, squatter):
