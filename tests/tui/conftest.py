@@ -20,6 +20,12 @@ from private_user import free_port
 DATA = Path(__file__).parent / "data"
 
 
+@pytest.fixture(autouse=True)
+def _private_runtime_dir(xdg):
+    """No daemon token of a real daemon on this machine: the client sends its token only to the user's own
+    daemon, and the stub is not one."""
+
+
 def load(name: str) -> Any:
     path = DATA / name
     return json.loads(path.read_text()) if name.endswith(".json") else path.read_text()
