@@ -187,6 +187,30 @@ async def _wait_until(pilot, predicate, timeout_s: float = 10.0) -> None:
         await pilot.pause(0.05)
 
 
+async def _play_recorded_load(app, pilot, wait_until) -> None:
+    """After the main screen composed: the worker's first round (which ends with the log fetch; polling
+    before that would race it), then the other 8 recorded scrapes, 2 s apart on the step clock."""
+    from textual.widgets import Log
+
+    from exl3local.tui.widgets.engine import EnginePanel
+    from exl3local.tui.widgets.throughput import ThroughputPanel
+
+    await wait_until(pilot, lambda: pilot.app.screen_panel(EnginePanel) is not None)
+    panel = app.query_one(ThroughputPanel)
+    log = app.query_one("#log-tail", Log)
+    await wait_until(pilot, lambda: panel.snapshot is not None and log.line_count > 0)
+    for _ in range(8):
+        await app.poll_once()
+        await pilot.pause()
+    await wait_until(pilot, lambda: len(panel._gen_history) == 8)
+
+
+@pytest.fixture
+def play_recorded_load():
+    """`await play_recorded_load(app, pilot, wait_until)` with the stub daemon playing its load recording."""
+    return _play_recorded_load
+
+
 @pytest.fixture
 def step_clock():
     return StepClock(2.0)

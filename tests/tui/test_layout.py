@@ -11,7 +11,6 @@ from textual.widgets import Log, RichLog
 from exl3local.tui.app import make_dashboard
 from exl3local.tui.screens.modals import InfoScreen
 from exl3local.tui.widgets.engine import EnginePanel
-from exl3local.tui.widgets.throughput import ThroughputPanel
 
 SIZE = (120, 40)
 POLL_ONCE_S = 3600.0
@@ -35,22 +34,12 @@ def panel_rows(rows: list[str], title: str) -> list[str]:
     return out
 
 
-async def _loaded(app, pilot, wait_until) -> None:
-    await wait_until(pilot, lambda: pilot.app.screen_panel(EnginePanel) is not None)
-    panel = app.query_one(ThroughputPanel)
-    log = app.query_one("#log-tail", Log)
-    await wait_until(pilot, lambda: panel.snapshot is not None and log.line_count > 0)
-    for _ in range(8):  # the 9 recorded scrapes, 2 s apart on the step clock
-        await app.poll_once()
-        await pilot.pause()
-    await wait_until(pilot, lambda: len(panel._gen_history) == 8)
-
-
-async def test_main_screen_at_120x40_reads_without_wraps_or_silent_cuts(stub_daemon, step_clock, wait_until):
+async def test_main_screen_at_120x40_reads_without_wraps_or_silent_cuts(stub_daemon, step_clock, wait_until,
+                                                                       play_recorded_load):
     stub_daemon.play_load()
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S, clock=step_clock)
     async with app.run_test(size=SIZE) as pilot:
-        await _loaded(app, pilot, wait_until)
+        await play_recorded_load(app, pilot, wait_until)
         await pilot.pause()
         rows = screen_rows(app)
         memory = [r.strip() for r in panel_rows(rows, "Memory")]

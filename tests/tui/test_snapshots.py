@@ -3,10 +3,8 @@ Update after an intended change with `pytest tests/tui --snapshot-update` and lo
 
 from __future__ import annotations
 
-from textual.widgets import Log
 
 from exl3local.tui.app import make_dashboard
-from exl3local.tui.widgets.throughput import ThroughputPanel
 from exl3local.tui.widgets.engine import EnginePanel
 from exl3local.tui.widgets.kernels import KernelPanel
 
@@ -27,20 +25,12 @@ async def log_scrolled_to_end(pilot, wait_until) -> None:
     await wait_until(pilot, lambda: tail.line_count > 0 and 0 < tail.max_scroll_y == tail.scroll_y)
 
 
-def test_ready_under_load(snap_compare, stub_daemon, step_clock, wait_until):
+def test_ready_under_load(snap_compare, stub_daemon, step_clock, wait_until, play_recorded_load):
     stub_daemon.play_load()
     app = make_dashboard(stub_daemon.url, POLL_ONCE_S, clock=step_clock)
 
     async def play_the_recording(pilot):
-        await composed(pilot, wait_until)
-        panel = app.query_one(ThroughputPanel)
-        log = app.query_one("#log-tail", Log)
-        # the worker's first round ends with the log fetch; polling before that would race it
-        await wait_until(pilot, lambda: panel.snapshot is not None and log.line_count > 0)
-        for _ in range(8):  # the 9 recorded scrapes, 2 s apart on the step clock
-            await app.poll_once()
-            await pilot.pause()
-        await wait_until(pilot, lambda: len(panel._gen_history) == 8)
+        await play_recorded_load(app, pilot, wait_until)
         await log_scrolled_to_end(pilot, wait_until)
 
     assert snap_compare(app, run_before=play_the_recording, terminal_size=SIZE)
