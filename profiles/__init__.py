@@ -12,11 +12,12 @@ from exl3local.profiles.profile import (
     Profile,
     parse,
     parse_overrides,
+    speculative_config,
     with_overrides,
 )
 from exl3local.profiles.select import BUNDLED, detect, load, names, read_settings, select
 
 __all__ = [
     "BUNDLED", "DEFAULTS", "ID_RE", "SCHEMA", "Profile", "detect", "load", "names", "parse", "parse_overrides",
-    "read_settings", "select", "with_overrides",
+    "read_settings", "select", "speculative_config", "with_overrides",
 ]

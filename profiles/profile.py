@@ -74,6 +74,12 @@ def _json_obj(v: object) -> str:
     return json.dumps(v, sort_keys=True)
 
 
+def speculative_config(vllm: Mapping[str, Any]) -> dict[str, Any]:
+    """A [vllm] table's speculative_config as a table again ({} without one); _json_obj keeps it as JSON."""
+    spec = vllm.get("speculative_config")
+    return json.loads(spec) if isinstance(spec, str) else dict(spec or {})
+
+
 def _origins(v: object) -> tuple[str, ...]:
     """Browser origins allowed to call the endpoint: scheme://host[:port], where the port (or the host after
     a scheme like vscode-webview://) may be `*`. A lone `*` (every web page) is refused."""

@@ -21,7 +21,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from exl3local import profiles
 from exl3local.engine import launch, textonly
@@ -116,16 +115,11 @@ def choose_parsers(man: Manifest, profile: profiles.Profile) -> Parsers:
     return Parsers(tool, reasoning, tuple(notes))
 
 
-def _speculative(profile: profiles.Profile) -> dict[str, Any]:
-    spec = profile.vllm.get("speculative_config")
-    return json.loads(spec) if isinstance(spec, str) else dict(spec or {})
-
-
 def fit(profile: profiles.Profile, man: Manifest, *, torchvision_missing: bool) -> ModelFit:
     vllm = dict(profile.vllm)
     env = dict(profile.env)
     notes: list[str] = []
-    if _speculative(profile).get("method") == "mtp":
+    if profiles.speculative_config(profile.vllm).get("method") == "mtp":
         if not has_mtp_head(man):
             vllm.pop("speculative_config")
             notes.append("MTP drafts off: the checkpoint has no MTP head (no mtp.* tensors); serving without them")

@@ -12,13 +12,13 @@ models that cannot fit.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from exl3local.errors import BudgetError
 # Multimodal configs (Qwen3.5) nest the language model under text_config; the manifest owns that rule.
 from exl3local.manifest import text_config
+from exl3local.profiles import speculative_config
 from exl3local.units import format_gib
 
 # Bytes per KV element by --kv-cache-dtype; "auto" follows the model dtype.
@@ -134,9 +134,7 @@ def cache_layout(config: dict[str, Any], profile: Any) -> CacheLayout:
     cfg = text_config(config)
     vllm = profile.vllm
     kv_dtype = vllm.get("kv_cache_dtype", "auto")
-    spec = vllm.get("speculative_config") or {}
-    if isinstance(spec, str):  # profiles keep it as the JSON vLLM's flag takes
-        spec = json.loads(spec)
+    spec = speculative_config(vllm)
     draft_tokens = int(spec.get("num_speculative_tokens", 0))
     draft_layers = int(cfg.get("mtp_num_hidden_layers") or 0) if spec.get("method") == "mtp" else 0
     attention = full_attention_layers(config) + draft_layers
