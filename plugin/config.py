@@ -128,10 +128,9 @@ class Exl3Config(QuantizationConfig):
         )
 
     def _split_vision_qkv(self) -> bool:
-        quantized = self.manifest.quantized
         return any(
-            prefix.endswith(".attn.q_proj") and f"{prefix[: -len('q_proj')]}qkv.weight" in self.manifest.unquantized
-            for prefix in quantized
+            prefix.endswith(".attn.q_proj") and f"{prefix.removesuffix('q_proj')}qkv.weight" in self.manifest.unquantized
+            for prefix in self.manifest.quantized
         )
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:

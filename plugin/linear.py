@@ -230,18 +230,15 @@ class Exl3LinearMethod(LinearMethodBase):
             return [(i, n) for i, n in enumerate(output_partition_sizes)]
         spans, first = [], 0
         for g in self.groups:
-            total, end = 0, first
-            while end < len(output_partition_sizes):
-                total += output_partition_sizes[end]
-                end += 1
+            total = 0
+            for last in range(first, len(output_partition_sizes)):
+                total += output_partition_sizes[last]
                 if total == g.unpadded_n or (g.unpadded_n is None and g.size_n - HADAMARD_BLOCK < total <= g.size_n):
                     break
             else:
-                end = None
-            if end is None:
-                break
+                break  # no run of shards from `first` makes this group: refused below
             spans.append((first, total))
-            first = end
+            first = last + 1
         if len(spans) != len(self.groups) or first != len(output_partition_sizes):
             raise CheckpointError(
                 self.config._file(), self.prefix,
@@ -297,6 +294,12 @@ class Exl3LinearMethod(LinearMethodBase):
             layer.exl3_kernels.append(kernel)
             trace.note_layer(type(kernel).__name__)
         layer.exl3_dense = None
+        if env.DECODE_ONCE.get_bool():
+            layer.exl3_dense = self.dense_weight(layer).to(layer.exl3_act_dtype)
+            if not trace.counters().snapshot()["flags"].get("decode_once"):
+                logger.warning("exl3: EXL3LOCAL_DECODE_ONCE=1: linears keep a dense copy of their weights (faster, more memory)")
+            trace.set_flag("decode_once", True)
+            return
         # Launches bound once (weights, grids, scratch): a decode call then costs two launches per part and no
         # Python-side shape logic; parts whose kernel is not Triton run through each kernel's apply.
         layer.exl3_bound = BoundLinear(
@@ -304,11 +307,6 @@ class Exl3LinearMethod(LinearMethodBase):
             layer.exl3_in_features,
         )
         layer.exl3_bound.reserve()
-        if env.DECODE_ONCE.get_bool():
-            layer.exl3_dense = self.dense_weight(layer).to(layer.exl3_act_dtype)
-            if not trace.counters().snapshot()["flags"].get("decode_once"):
-                logger.warning("exl3: EXL3LOCAL_DECODE_ONCE=1: linears keep a dense copy of their weights (faster, more memory)")
-            trace.set_flag("decode_once", True)
 
     # -- views
     @staticmethod
