@@ -26,7 +26,8 @@ from exl3local.daemon import main as daemon_main
 from exl3local.daemon.server import Daemon
 from exl3local.commands.progress import UpProgress
 from exl3local.desktop import service
-from exl3local.errors import DaemonUnavailable, Exl3Error
+from exl3local.engine import apikey
+from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
 from exl3local.models import hub, store
 from exl3local.units import format_bytes, format_duration
 
@@ -109,6 +110,10 @@ def _keeps_current_model(req: UpRequest) -> bool:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    if args.dry_run:  # starts nothing, downloads nothing: commands/machine.py prints the plan
+        from exl3local.commands.machine import dry_run
+
+        return dry_run(args)
     req = UpRequest(model=_resolve_model_arg(args.model), profile=args.profile, port=args.port,
                     overrides=profiles.parse_overrides(args.set), demo=args.demo)
     if req.model is None and not req.demo and not _keeps_current_model(req):
@@ -116,8 +121,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
         hub.ensure_default_model(req.profile, req.overrides, confirm=_confirm_download if sys.stdin.isatty() else None)
     if args.foreground:
         return _up_foreground(req)
+    if warning := apikey.file_warning(os.environ):
+        print(f"exl3local: warning: {warning}", file=sys.stderr)
     with DaemonClient() as client:
         ensure_daemon(client)
+        _check_key_state(client)
         client.up(req.model, profile=req.profile, port=req.port, overrides=dict(req.overrides), demo=req.demo)
         progress = UpProgress()
         try:
@@ -126,6 +134,18 @@ def _cmd_up(args: argparse.Namespace) -> int:
             progress.done()
     _print_ready(st)
     return 0
+
+
+def _check_key_state(client: DaemonClient) -> None:
+    """The running daemon (started by another shell, or by systemd) may not have the key this shell asks for."""
+    st = client.status()
+    found = apikey.mismatch(st.api_key_required, os.environ, st.daemon_pid)
+    if found is None:
+        return
+    refuse, message = found
+    if refuse:
+        raise ConfigError(message, hint=apikey.HOW_TO_CHANGE)
+    print(f"exl3local: {message}", file=sys.stderr)
 
 
 def _up_foreground(req: UpRequest) -> int:
@@ -155,6 +175,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one profile setting (repeatable)")
     p.add_argument("--demo", action="store_true", help="serve the tiny EXL3 demo model bundled in the package")
     p.add_argument("--foreground", action="store_true", help="run the daemon in this terminal; Ctrl-C stops all")
+    p.add_argument("--dry-run", action="store_true", help="print the engine command line, environment, KV budget "
+                   "and profile reasons; start nothing (EXL3LOCAL_SYSFS may point at another machine's tree)")
+    p.add_argument("--json", action="store_true", help="with --dry-run: the plan as one JSON object")
     p.set_defaults(handler=_cmd_up)
 
 
@@ -215,6 +238,7 @@ def format_status(st: DaemonStatus) -> str:
          f" ({'pinned' if st.kv_budget_pinned else 'estimate'}), max_model_len {st.max_model_len}"
          if st.kv_budget_bytes is not None else "-"),
         ("endpoint", st.endpoint or "-"),
+        ("API key", _key_state(st.api_key_required)),
         ("engine pid", f"{st.engine_pid}  RSS {format_bytes(st.engine_rss_bytes)}" if st.engine_pid else "-"),
         ("uptime", format_duration(st.uptime_s)),
         ("restarts", str(st.restarts)),
@@ -233,6 +257,13 @@ def format_status(st: DaemonStatus) -> str:
         tail = "\n".join(st.stderr_tail.rstrip().splitlines()[-15:])
         out += "\n--- engine output (last lines) ---\n" + tail
     return out
+
+
+def _key_state(required: bool | None) -> str:
+    if required is None:
+        return "? (the daemon does not say)"
+    return ("required: clients send `Authorization: Bearer <key>`" if required
+            else "none: every program on this machine may use the endpoint")
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

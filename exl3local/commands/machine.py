@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from exl3local import env, manifest, paths, profiles
 from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import ENGINE_ALIVE
 from exl3local.daemon.plan import ENGINE_HOST, port_free
-from exl3local.engine import model_fit
+from exl3local.engine import apikey, model_fit
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
 from exl3local.machine import hardware
 from exl3local.machine.select import find_device, select
@@ -184,6 +185,26 @@ def _check_daemon_and_port(check) -> None:
     check("daemon", True, f"{where}; logs in {paths.log_dir()}")
 
 
+def _check_api_key(check) -> None:
+    """Whether the endpoint requires a key: the running daemon's answer, else what a daemon started from this
+    shell would do; a key file other users can read, and a daemon whose key state differs from this shell's."""
+    st = None
+    with DaemonClient() as client, contextlib.suppress(Exl3Error):
+        st = client.status()
+    if warning := apikey.file_warning(os.environ):
+        check("api key", None, warning)
+    if st is not None and st.api_key_required is not None:
+        state = "required (Bearer)" if st.api_key_required else "none: every program on this machine may use it"
+        found = apikey.mismatch(st.api_key_required, os.environ, st.daemon_pid)
+        check("api key", None if found else True, f"the running daemon's endpoint: {state}"
+              + (f"; {found[1].removeprefix('note: ')} ({apikey.HOW_TO_CHANGE})" if found else ""))
+    elif apikey.requested(os.environ):
+        check("api key", True, "a daemon started from this shell requires one (set in this environment)")
+    else:
+        check("api key", True, f"none: a daemon started from this shell serves without a key ({env.API_KEY_FILE.name} "
+              "sets one)")
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     results: list[tuple[bool | None, str, str]] = []
     console = Console(stderr=True)
@@ -213,6 +234,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     except Exl3Error as exc:
         check("memory", False, f"{exc}" + (f" ({exc.hint})" if exc.hint else ""))
     _check_daemon_and_port(check)
+    _check_api_key(check)
     for var in env.ALL:
         if var.name in os.environ:
             value = "(set, not shown)" if var.name.endswith("_KEY") else os.environ[var.name]  # a secret
@@ -225,6 +247,48 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", help="check the fit of this model instead of the profile's default")
     p.add_argument("--quick", action="store_true", help="skip importing vLLM in the engine interpreter (~10 s)")
     p.set_defaults(handler=_cmd_doctor)
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """`up --dry-run`: the plan a real `up` would start, made by the same code (daemon/plan.py) in this process
+    with this shell's environment, printed; no daemon, no engine, no download, no temp dir."""
+    import shlex
+    from pathlib import Path
+
+    from exl3local.api.protocol import UpRequest
+    from exl3local.daemon.plan import plan
+
+    model = args.model
+    if model is not None and not isinstance(store.parse_argument(model), store.ModelRef):
+        model = str(Path(model).resolve())
+    req = UpRequest(model=model, profile=args.profile, port=args.port,
+                    overrides=profiles.parse_overrides(args.set), demo=args.demo)
+    p = plan(req, sysfs_root=Path(env.SYSFS.get()), dry_run=True)
+    info = p.describe(os.environ)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print("dry run: nothing was started (no daemon, no engine)")
+    print(f"model      {info['model']}")
+    print(f"profile    {info['profile']}")
+    for reason in info["profile_reasons"]:
+        print(f"           {reason}")
+    gpu = p.gpu
+    print(f"device     {gpu.name} ({gpu.kind}{', ' + gpu.pci_id if gpu.pci_id else ''}, "
+          f"{format_bytes(gpu.memory_bytes)}: {gpu.memory_source})")
+    for line in info["budget"]["lines"]:
+        print(f"budget     {line}")
+    for note in info["notes"]:
+        print(f"note       {note}")
+    print(f"endpoint   {info['endpoint']}")
+    print(f"command    (cwd /) {shlex.join(info['argv'])}")
+    for key, value in info["env_changed"].items():
+        print(f"env        {key}={value}")
+    for key in info["env_removed"]:
+        print(f"env        {key} (removed)")
+    same = len(info["env"]) - len(info["env_changed"])
+    print(f"env        + {same} variables as in this shell (secrets hidden; --json lists all)")
+    return 0
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:

@@ -10,7 +10,8 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,20 @@ from typing import Any
 from exl3local import env, errors, manifest, paths
 from exl3local.api.protocol import UpRequest
 from exl3local.engine import launch, model_fit
-from exl3local.machine import budget, hardware
-from exl3local.machine.select import select
+from exl3local.machine import budget, hardware, transient
+from exl3local.machine.select import Device, find_device, select
 from exl3local.models import store
 from exl3local.profiles import Profile
 
 ENGINE_HOST = "127.0.0.1"
+# A dry run creates nothing: the engine's private temp dir is named, not made.
+DRY_RUN_TMPDIR = "/tmp/exl3local-XXXXXXXX"
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
+def shown_value(name: str, value: str) -> str:
+    """An environment value as a dry run may print it: names that look like secrets are hidden."""
+    return "(set, not shown)" if SECRET_NAME.search(name) else value
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,35 @@ class Plan:
     gpu: hardware.GpuInfo
     budget: budget.Budget
     spec: launch.LaunchSpec
+    device: Device | None = None
+    notes: tuple[str, ...] = ()  # what a dry run found that a real start would refuse or should know
+
+    def describe(self, environ: Mapping[str, str]) -> dict[str, Any]:
+        """What `up --dry-run` prints: the exact argv, the engine's environment (what it adds to or changes in
+        `environ`, secrets hidden), the budget's arithmetic and the reasons for the profile."""
+        env_all = {k: shown_value(k, v) for k, v in sorted(self.spec.env.items())}
+        changed = {k: v for k, v in env_all.items() if environ.get(k) != self.spec.env[k]}
+        removed = sorted(k for k in environ if k not in self.spec.env)
+        dev = self.device
+        return {
+            "model": self.model_label, "model_dir": str(self.model_dir), "profile": self.profile.id,
+            "profile_reasons": [r for r in self.profile_reason.split("; ") if r],
+            "gpu": self.gpu.to_json(),
+            "gpus": [g.to_json() for g in dev.gpus] if dev else [],
+            "cards": [g.slot for g in dev.cards] if dev else [],
+            "runtime": dev.runtime.to_json() if dev and dev.runtime else None,
+            "memory": ({"ram_total_bytes": dev.mem.total_bytes, "ram_available_bytes": dev.mem.available_bytes,
+                        "ttm_pages_limit_bytes": dev.mem.gpu_pages_limit_bytes} if dev and dev.mem else None),
+            "budget": {"kv_budget_bytes": self.budget.kv_budget_bytes, "kv_budget_tokens": self.budget.kv_budget_tokens,
+                       "max_model_len": self.budget.max_model_len, "pinned": self.budget.pinned,
+                       "gpu_memory_utilization": self.budget.gpu_memory_utilization,
+                       "engine_bytes": self.budget.engine_bytes, "transient_bytes": self.budget.transient_bytes,
+                       "tensor_parallel": self.budget.tensor_parallel, "data_parallel": self.budget.data_parallel,
+                       "lines": list(self.budget.lines)},
+            "argv": list(self.spec.argv), "cwd": "/",
+            "env": env_all, "env_changed": changed, "env_removed": removed,
+            "endpoint": self.spec.endpoint, "notes": list(self.notes),
+        }
 
 
 def env_number(var: env.EnvVar, kind: type) -> Any:
@@ -91,24 +129,53 @@ def read_checkpoint(model_dir: Path) -> manifest.Manifest:
 
 
 def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None = None, python: str | None = None,
-         check_port: Callable[[str, int], bool] = port_free) -> Plan:
-    machine = select(req.profile, req.overrides, sysfs_root)
+         check_port: Callable[[str, int], bool] = port_free, dry_run: bool = False,
+         environ: Mapping[str, str] | None = None) -> Plan:
+    """Everything `up` decides, in one place: a real `up` starts `spec`, `up --dry-run` prints it. A dry run
+    makes no temp dir and reports a busy port as a note instead of refusing."""
+    engine_python = python or env.ENGINE_PYTHON.get() or sys.executable
+    device = find_device(sysfs_root, python=engine_python)
+    machine = select(req.profile, req.overrides, device=device)
     prof = machine.profile
     model_dir, label = store.resolve(req.model, req.demo, prof)
-    engine_python = python or env.ENGINE_PYTHON.get() or sys.executable
     man = read_checkpoint(model_dir)
     fitted = model_fit.fit(prof, man, torchvision_missing=model_fit.torchvision_missing(engine_python))
     prof = fitted.profile
-    bud = machine.fit(man, mem, prof)
+    environ = os.environ if environ is None else environ
+    extra = transient.estimate(man.quantized, int(prof.vllm.get("max_num_batched_tokens") or DEFAULT_BATCHED_TOKENS),
+                               decode_once=_decode_once(prof, environ))
+    bud = machine.fit(man, mem, prof, transient_bytes=extra.bytes)
+    notes = [f"plugin transients {extra.why}"] if extra.bytes else []
+    if device.runtime is not None and device.runtime.error:
+        notes.append(f"GPU runtime: {device.runtime.error}")
+    if device.gpu.vendor == "intel" and device.runtime is not None and device.affinity is None:
+        notes.append("the GPU runtime does not list the Intel GPUs sysfs shows: the device index counts sysfs")
     port = req.port or engine_port()
     if not check_port(ENGINE_HOST, port):
-        raise errors.ConfigError(f"port {port} on {ENGINE_HOST} is already in use (by "
-                                 f"{paths.port_holder(ENGINE_HOST, port)}), so vLLM cannot listen there",
-                                 hint=f"free port {port}, or choose another with `exl3local up --port N`")
-    tmpdir = engine_tmpdir()
-    spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=ENGINE_HOST, gpu=machine.gpu,
-                        gpus=machine.device.gpus, python=engine_python)
+        busy = (f"port {port} on {ENGINE_HOST} is already in use (by {paths.port_holder(ENGINE_HOST, port)}), "
+                "so vLLM cannot listen there")
+        if not dry_run:
+            raise errors.ConfigError(busy, hint=f"free port {port}, or choose another with `exl3local up --port N`")
+        notes.append(busy)
+    tmpdir = DRY_RUN_TMPDIR if dry_run else engine_tmpdir()
+    try:
+        spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=ENGINE_HOST, gpu=machine.gpu,
+                            gpus=device.gpus, cards=device.cards, affinity=device.affinity, python=engine_python,
+                            base_env=environ)
+    except BaseException:
+        if not dry_run:
+            os.rmdir(tmpdir)  # a refused start (an unreadable key file) leaves no engine temp dir behind
+        raise
     key = (str(model_dir), json.dumps(prof.to_json(), sort_keys=True), port)
     return Plan(key=key, model_label=label, model_dir=model_dir, profile=prof,
                 profile_reason="; ".join([machine.reason, f"device: {machine.device.reason}", *fitted.notes]),
-                gpu=machine.gpu, budget=bud, spec=spec)
+                gpu=machine.gpu, budget=bud, spec=spec, device=device, notes=tuple(notes))
+
+
+DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default chunk when a profile sets none (at least this many rows per call)
+
+
+def _decode_once(profile: Profile, environ: Mapping[str, str]) -> bool:
+    """EXL3LOCAL_DECODE_ONCE as the engine will see it (the user's environment wins over the profile's [env])."""
+    value = environ.get(env.DECODE_ONCE.name, profile.env.get(env.DECODE_ONCE.name, env.DECODE_ONCE.default))
+    return value.strip().lower() in {"1", "true", "yes", "on"}

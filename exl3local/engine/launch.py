@@ -114,8 +114,18 @@ def vllm_args(profile: Any, budget: Any) -> list[str]:
             out += [_flag(key), str(value)]
     if budget.pinned:
         out += ["--kv-cache-memory-bytes", str(budget.kv_budget_bytes)]
+        # vLLM's GPU workers still check free memory >= total x utilization at start (default 0.92, even with a
+        # pinned KV cache): ask for what the engine will hold (machine/budget.py start_check).
+        util = getattr(budget, "gpu_memory_utilization", None)
+        if util is not None:
+            out += ["--gpu-memory-utilization", str(util)]
     else:
         out += ["--gpu-memory-utilization", str(profile.memory["gpu_memory_utilization"])]
+    tp, dp = getattr(budget, "tensor_parallel", 1), getattr(budget, "data_parallel", 1)
+    if tp > 1:
+        out += ["--tensor-parallel-size", str(tp)]  # the model does not fit one card: split over all
+    if dp > 1:
+        out += ["--data-parallel-size", str(dp)]  # it fits one: a copy per card, vLLM balances the requests
     extra = list(profile.vllm.get("extra_args", ()))
     if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in extra):
         raise ConfigError(f"{profile.source}: --api-key in vllm.extra_args would put the key on vLLM's command "
@@ -140,20 +150,30 @@ def api_key(environ: Mapping[str, str]) -> str | None:
     return environ.get(API_KEY_ENV) or None
 
 
-def device_env(gpu: Any, gpus: Sequence[Any]) -> dict[str, str]:
-    """Pin the engine to the chosen device when the machine has several of its kind (an eGPU
-    beside an iGPU, two cards). Level Zero orders devices by PCI address only when asked to;
-    CUDA likewise. Every Intel GPU with a driver bound counts, since Level Zero lists them all
-    [docs/arc.md §4.2; unverified on a multi-GPU Arc box]."""
+def device_env(gpu: Any, gpus: Sequence[Any], affinity: Sequence[int] | None = None,
+               cards: Sequence[Any] = ()) -> dict[str, str]:
+    """Pin the engine to the chosen device(s) when the machine has more of its kind (an eGPU beside an iGPU,
+    two cards). `affinity`: the Level Zero indices the engine's runtime gave for them, matched by PCI id
+    (machine/xpu.py); without it every Intel GPU with a driver counts, which is wrong when Level Zero skips
+    one (docs/arc.md §4.2; unverified on a multi-GPU Arc box). CUDA: ordered by PCI bus id."""
+    used = list(cards) or [gpu]
     if gpu.vendor == "intel":
         same = [g for g in gpus if g.vendor == "intel" and g.driver in ("xe", "i915")]
-        if len(same) > 1 and gpu in same:
-            return {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1", "ZE_AFFINITY_MASK": str(same.index(gpu))}
+        if len(same) > len(used) and all(g in same for g in used):
+            index = list(affinity) if affinity else [same.index(g) for g in used]
+            return {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1", "ZE_AFFINITY_MASK": ",".join(map(str, index))}
     if gpu.vendor == "nvidia":
         same = [g for g in gpus if g.vendor == "nvidia"]
         if len(same) > 1 and gpu in same:
             return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(same.index(gpu))}
     return {}
+
+
+def plugins_env(environ: Mapping[str, str]) -> str:
+    """VLLM_PLUGINS for the engine: ours alone when unset (vLLM would load every installed plugin), else the
+    user's (or a vendor image's) list with ours added."""
+    given = [p.strip() for p in environ.get("VLLM_PLUGINS", "").split(",") if p.strip()]
+    return ",".join(given if PLUGIN_NAME in given else [*given, PLUGIN_NAME])
 
 
 def build(
@@ -170,9 +190,13 @@ def build(
     parent_pid: int | None = None,
     gpu: Any = None,
     gpus: Sequence[Any] = (),
+    cards: Sequence[Any] = (),
+    affinity: Sequence[int] | None = None,
 ) -> LaunchSpec:
     """model_dir: a local EXL3 checkpoint; profile: profiles.Profile; budget: budget.Budget;
-    gpu/gpus: hardware.GpuInfo of the chosen device and of all devices (slot order)."""
+    gpu/gpus: hardware.GpuInfo of the chosen device and of all devices (slot order); cards: the identical cards
+    a data- or tensor-parallel engine spans; affinity: their Level Zero indices, where the runtime resolved them.
+    Pure: builds the spec from its arguments and `base_env`, reads only the API key file."""
     name = served_name or profile.model.get("served_name") or model_dir.name
     argv = [
         python, "-P", "-m", LAUNCHER_MODULE, "serve", str(model_dir),
@@ -196,15 +220,16 @@ def build(
     key = api_key(env)
     env.pop(API_KEY_ENV, None)  # vLLM reads its own name; ours need not travel further
     if gpu is not None:
-        env.update({k: v for k, v in device_env(gpu, gpus).items() if k not in env})  # the user's choice wins
-    env.update(profile.env)
+        used = cards if getattr(budget, "tensor_parallel", 1) > 1 or getattr(budget, "data_parallel", 1) > 1 else ()
+        env.update({k: v for k, v in device_env(gpu, gpus, affinity, used).items() if k not in env})  # the user's choice wins
+    env.update({k: v for k, v in profile.env.items() if k not in env})  # so does the user's environment
     if key:
         env[VLLM_API_KEY_ENV] = key
     env.update({
         CORS_ORIGINS_ENV: json.dumps(origins),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        "VLLM_PLUGINS": PLUGIN_NAME,
+        "VLLM_PLUGINS": plugins_env(env),
         "HF_HUB_OFFLINE": "1",  # a local directory: nothing to fetch, and no surprise downloads
         "TMPDIR": tmpdir,
         # kernel-path counters of this engine only; they go with its TMPDIR

@@ -12,7 +12,9 @@ models that cannot fit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from exl3local.errors import BudgetError
@@ -36,17 +38,68 @@ class CheckpointLike(Protocol):
     def weight_bytes(self) -> int: ...
 
 
+PAGE_BYTES = 4096  # TTM counts pages of the kernel's base page size (4 KiB on x86)
+# The per-node counters the kernel publishes in sysfs; "available" as the kernel estimates it: free pages plus
+# the page cache and slab it can reclaim.
+_NODE_AVAILABLE = ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable")
+
+
 @dataclass(frozen=True)
 class MemorySnapshot:
     total_bytes: int  # RAM
     available_bytes: int  # RAM the OS can hand out now (psutil: free + reclaimable cache)
+    # TTM's global page limit (/sys/module/ttm/parameters/pages_limit, half of RAM by default): beyond it
+    # the kernel swaps GPU buffers out; an iGPU's buffers count against it. None: not readable.
+    gpu_pages_limit_bytes: int | None = None
 
     @classmethod
     def now(cls) -> MemorySnapshot:
+        return cls.read(Path("/sys"))
+
+    @classmethod
+    def read(cls, sysfs_root: Path) -> MemorySnapshot:
+        """RAM and TTM's page limit as the machine under `sysfs_root` has them. The real /sys takes RAM from
+        /proc/meminfo (psutil); another tree (a fixture, a copy of another machine's /sys) from its NUMA nodes'
+        meminfo, falling back to this machine's RAM when the tree has none."""
+        root = Path(sysfs_root)
+        limit = _ttm_pages_limit(root)
+        nodes = _node_meminfo(root) if root != Path("/sys") else None
+        if nodes is not None:
+            return cls(nodes[0], nodes[1], limit)
         import psutil
 
         vm = psutil.virtual_memory()
-        return cls(int(vm.total), int(vm.available))
+        return cls(int(vm.total), int(vm.available), limit)
+
+
+def _ttm_pages_limit(root: Path) -> int | None:
+    try:
+        pages = int((root / "module" / "ttm" / "parameters" / "pages_limit").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pages * PAGE_BYTES if pages > 0 else None
+
+
+def _node_meminfo(root: Path) -> tuple[int, int] | None:
+    """(total, available) summed over devices/system/node/node*/meminfo ("Node 0 MemTotal: 32768 kB")."""
+    total = avail = 0
+    found = False
+    for path in sorted((root / "devices" / "system" / "node").glob("node*/meminfo")):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) < 4 or not parts[3].isdigit():
+                continue
+            key, kib = parts[2].rstrip(":"), int(parts[3]) * 1024
+            if key == "MemTotal":
+                total += kib
+                found = True
+            elif key in _NODE_AVAILABLE:
+                avail += kib
+    return (total, min(avail, total)) if found else None
 
 
 @dataclass(frozen=True)
@@ -57,6 +110,14 @@ class Budget:
     max_model_len: int
     pinned: bool  # pass --kv-cache-memory-bytes (else --gpu-memory-utilization)
     lines: tuple[str, ...] = field(default=(), compare=False)  # the arithmetic, for `status`/errors
+    # With a pinned KV cache on a GPU, vLLM still checks at start that the device has free memory >= its total x
+    # --gpu-memory-utilization (default 0.92): this is the fraction the engine will really hold (weights +
+    # overhead + plugin transients + KV over the device's total as the runtime reports it). None: pass none.
+    gpu_memory_utilization: float | None = None
+    engine_bytes: int = 0  # per device: weights + overhead + transients + KV
+    transient_bytes: int = 0  # the plugin's own short-lived buffers (machine/transient.py)
+    tensor_parallel: int = 1  # cards one model is split over (it does not fit one)
+    data_parallel: int = 1  # copies of the model, one per card (it fits one)
 
     def explain(self) -> str:
         return "\n".join(self.lines)
@@ -164,22 +225,49 @@ def model_max_len(config: dict[str, Any]) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-def _room(gpu: Any, mem: MemorySnapshot, mp: Any, lines: list[str]) -> int:
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The device's memory as the engine's runtime reports it (torch.xpu.mem_get_info in the engine's
+    interpreter, machine/xpu.py): the numbers vLLM's start-up check compares."""
+
+    total_bytes: int
+    free_bytes: int | None  # None: the runtime was not asked (no XPU runtime on this machine)
+    source: str
+
+
+def runtime_total(gpu: Any, device_memory: DeviceMemory | None) -> int | None:
+    """The device total vLLM will see: the runtime's own number, else what the machine facts say (an iGPU's
+    memory_bytes already is Level Zero's 80 % - 450 MB figure)."""
+    if device_memory is not None:
+        return device_memory.total_bytes
+    return int(gpu.memory_bytes) if gpu.memory_bytes else None
+
+
+def _room(gpu: Any, mem: MemorySnapshot, mp: Any, lines: list[str], device_memory: DeviceMemory | None) -> int:
     """Memory the engine may use at all: RAM the OS can spare (shared memory) or the card's share."""
     if gpu.kind in ("integrated", "cpu"):
         reserve = int(mp["os_reserve_bytes"])
         room = mem.available_bytes - reserve
         lines.append(f"RAM available now {format_gib(mem.available_bytes)} - OS/desktop reserve {format_gib(reserve)}"
                      f" = {format_gib(room)}")
-        if gpu.kind == "integrated" and gpu.memory_bytes:
-            lines.append(f"iGPU ceiling (80 % of RAM - 450 MB) {format_gib(gpu.memory_bytes)}")
-            room = min(room, int(gpu.memory_bytes))
+        if gpu.kind == "integrated":
+            ceiling = runtime_total(gpu, device_memory)
+            if ceiling:
+                where = device_memory.source if device_memory else "80 % of RAM - 450 MB"
+                lines.append(f"iGPU ceiling ({where}) {format_gib(ceiling)}")
+                room = min(room, ceiling)
+            limit = mem.gpu_pages_limit_bytes
+            if limit is not None and limit < room:
+                lines.append(f"capped by TTM's page limit {format_gib(limit)} (ttm pages_limit: GPU buffers beyond it "
+                             "are swapped out)")
+                room = limit
         return room
     if not gpu.memory_bytes:
         raise BudgetError(
-            f"the size of {gpu.name}'s memory is unknown, so the model's fit cannot be checked",
-            hint="enable resizable BAR, or set memory.kv_max_bytes with policy = \"pinned\" "
-                 "via `--set memory.policy=pinned --set memory.kv_max_bytes=4GiB`",
+            f"the size of {gpu.name}'s memory is unknown (sysfs has no VRAM size and the engine's runtime did not "
+            "report one), so the model's fit cannot be checked",
+            hint="check the XPU runtime with `exl3local doctor`, enable resizable BAR, or pin the KV cache: "
+                 "`--set memory.policy=pinned --set memory.kv_max_bytes=4GiB`",
         )
     util = float(mp["gpu_memory_utilization"])
     room = int(gpu.memory_bytes * util)
@@ -203,34 +291,72 @@ def _does_not_fit(lines: list[str], shortfall: int, fit_ctx: int, profile: Any, 
     )
 
 
+UTILIZATION_STEP = 10_000  # --gpu-memory-utilization is passed rounded up to 1/10000
+
+
+def start_check(gpu: Any, engine_bytes: int, device_memory: DeviceMemory | None, lines: list[str]) -> float | None:
+    """The --gpu-memory-utilization a pinned engine passes so vLLM's start-up check (free >= total x utilization)
+    asks for what the engine holds, not 92 % of the device; BudgetError when even that cannot pass."""
+    if gpu.kind not in ("integrated", "discrete"):
+        return None
+    total = runtime_total(gpu, device_memory)
+    if not total:
+        return None
+    util = math.ceil(engine_bytes * UTILIZATION_STEP / total) / UTILIZATION_STEP
+    asked = math.ceil(total * util)
+    free = device_memory.free_bytes if device_memory is not None else None
+    said = f"{format_gib(free)} free of {format_gib(total)}" if free is not None else f"total {format_gib(total)}"
+    if util > 1 or (free is not None and free < asked):
+        raise BudgetError(
+            f"{gpu.name} cannot hold the engine: it needs {format_gib(engine_bytes)} (weights, overhead, transients "
+            f"and KV) and the GPU runtime reports {said}; vLLM refuses to start below that",
+            hint="close programs that use the GPU, or lower the need: a shorter context "
+                 "(`--set model.max_model_len=N`), a smaller `memory.kv_max_bytes`, a smaller model",
+        )
+    lines.append(f"vLLM start check: the engine holds {format_gib(engine_bytes)} of the device's {said}"
+                 f" → --gpu-memory-utilization {util}")
+    return util
+
+
 def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: Any,
-            max_model_len: int | None = None) -> Budget:
-    """gpu: hardware.GpuInfo; profile: profiles.Profile. Pure: no I/O."""
+            max_model_len: int | None = None, *, transient_bytes: int = 0,
+            device_memory: DeviceMemory | None = None, tensor_parallel: int = 1, data_parallel: int = 1) -> Budget:
+    """gpu: hardware.GpuInfo; profile: profiles.Profile. Pure: no I/O. With tensor_parallel N the weights and the
+    KV of a sequence are split over N cards, and every number is per card; data_parallel copies are per card too."""
     mp = profile.memory
     config = checkpoint.config
     layout = cache_layout(config, profile)
-    per_token = layout.token_bytes
+    tp = max(1, int(tensor_parallel))
+    per_token = -(-layout.token_bytes // tp)
     ctx = max_model_len or int(profile.model["max_model_len"])
     limit = model_max_len(config)
     if limit:
         ctx = min(ctx, limit)
     seqs = int(profile.vllm.get("max_num_seqs", 1))
-    weights = int(checkpoint.weight_bytes)
+    weights = -(-int(checkpoint.weight_bytes) // tp)
     overhead = int(mp["engine_overhead_bytes"])
     pinned = mp["policy"] == "pinned"
     lines: list[str] = []
-    headroom = _room(gpu, mem, mp, lines) - weights - overhead
-    lines.append(f"- weights {format_gib(weights)} - engine overhead {format_gib(overhead)} = KV headroom {format_gib(headroom)}")
+    headroom = _room(gpu, mem, mp, lines, device_memory) - weights - overhead - transient_bytes
+    split = f" (1/{tp} per card, tensor parallel over {tp} cards)" if tp > 1 else ""
+    transient = f" - plugin transients {format_gib(transient_bytes)}" if transient_bytes else ""
+    lines.append(f"- weights {format_gib(weights)}{split} - engine overhead {format_gib(overhead)}{transient}"
+                 f" = KV headroom {format_gib(headroom)}")
 
-    need_one = layout.sequence_bytes(ctx)
+    need_one = -(-layout.sequence_bytes(ctx) // tp)
     state_note = (f" + {format_gib(layout.state_bytes)} Gated DeltaNet state ({layout.state_layers} layers)"
                   if layout.state_bytes else "")
     lines.append(f"KV per token {per_token} B ({layout.attention_layers} attention layers){state_note};"
                  f" one {ctx}-token sequence needs {format_gib(need_one)}")
     if headroom < need_one:
-        fit_ctx = max(headroom - layout.state_bytes, 0) // per_token
+        fit_ctx = max(headroom - layout.state_bytes // tp, 0) // per_token
         raise _does_not_fit(lines, need_one - headroom, fit_ctx, profile, gpu.kind in ("integrated", "cpu"))
     kv = headroom
+    start = mp.get("kv_start_bytes")
+    if start is not None and kv > start:
+        # A pin a field run proved: grow past it only by half of what is left after it, the rest stays a margin.
+        kv = int(start) + (kv - int(start)) // 2
+        lines.append(f"from the proven pin {format_gib(int(start))} plus half of the headroom beyond it = {format_gib(kv)}")
     useful = need_one * seqs
     if kv > useful:
         kv = useful
@@ -241,6 +367,11 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
         lines.append(f"capped by memory.kv_max_bytes at {format_gib(kv)}")
     # Tokens as vLLM reports them: whole max-length sequences (KV + state) times their length.
     tokens = kv * ctx // need_one
-    lines.append(f"KV budget {kv} B = {tokens} tokens ({'pinned' if pinned else 'estimate'})")
+    lines.append(f"KV budget {kv} B = {tokens} tokens ({'pinned' if pinned else 'estimate'})"
+                 + (f" on each of {data_parallel} cards (data parallel)" if data_parallel > 1 else ""))
+    engine = weights + overhead + transient_bytes + kv
+    util = start_check(gpu, engine, device_memory, lines) if pinned else None
     return Budget(kv_budget_bytes=int(kv), kv_budget_tokens=int(tokens), kv_bytes_per_token=per_token,
-                  max_model_len=ctx, pinned=pinned, lines=tuple(lines))
+                  max_model_len=ctx, pinned=pinned, lines=tuple(lines), gpu_memory_utilization=util,
+                  engine_bytes=int(engine), transient_bytes=int(transient_bytes), tensor_parallel=tp,
+                  data_parallel=max(1, int(data_parallel)))
