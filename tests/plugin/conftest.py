@@ -23,6 +23,7 @@ from exl3local.engine import launch
 
 from oracle import OracleMatch, vocab_size
 from private_user import free_port
+from torchvision_stand_in import torchvision_stand_in
 
 READY_TIMEOUT_S = 300  # a cold first start of a new architecture adds a registry subprocess (~10 s)
 KV_BYTES = "64M"
@@ -183,9 +184,10 @@ def load_vllm_model(vllm_dist):
             model=str(model_dir), quantization="exl3", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
             kv_cache_memory_bytes=64 * 2**20, **kwargs,
         )  # fmt: skip
-        vllm_config = args.create_engine_config()
-        with set_current_vllm_config(vllm_config):
-            return get_model(vllm_config=vllm_config)
+        with torchvision_stand_in():  # Qwen3.5 model code imports torchvision (here and in vLLM's inspect subprocess)
+            vllm_config = args.create_engine_config()
+            with set_current_vllm_config(vllm_config):
+                return get_model(vllm_config=vllm_config)
 
     return load
 

@@ -5,13 +5,10 @@ lacks, but building and running the tower's layers does not."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from safetensors import safe_open
 
-from exl3local.engine import textonly
 from exl3local.plugin.linear import Exl3LinearMethod
 
 import fixture_models
@@ -19,19 +16,6 @@ import fixture_models
 # The tower is quantized at vision_bits 6: its output sits ~2 % from the original bf16 weights. A part in the
 # wrong place (k where q belongs) or a lost bias is off by ~100 %.
 QUANTIZATION_SPREAD = 0.05
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _torchvision_stand_in():
-    """vLLM's Qwen3.5 module imports torchvision; in-process, the engine's stand-in takes its place."""
-    if textonly.torchvision_missing():
-        sys.path.insert(0, str(textonly.SHIM_DIR))
-        yield
-        sys.path.remove(str(textonly.SHIM_DIR))
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-    else:
-        yield
 
 
 @pytest.mark.parametrize("name", fixture_models.with_vision_tower())

@@ -38,6 +38,7 @@ from safetensors.torch import load_file
 from exl3local.engine import textonly
 
 import exl3_writer
+from torchvision_stand_in import torchvision_stand_in
 
 pytestmark = pytest.mark.slow
 
@@ -238,20 +239,13 @@ def mtp_draft(pairs, vllm_dist):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
 
-    shim = textonly.torchvision_missing()
-    if shim:  # vLLM's Qwen3.5 module imports torchvision; taken out again below so later tests see no torchvision
-        sys.path.insert(0, str(textonly.SHIM_DIR))
-    try:
+    # vLLM's Qwen3.5 module imports torchvision: the engine's stand-in, here and in vLLM's inspect subprocess
+    with torchvision_stand_in():
         engine = {k: v for k, v in {**ENGINE, **MTP}.items() if k != "max_logprobs"}
         args = EngineArgs(model=str(pairs("vl_mtp").exl3), quantization="exl3", language_model_only=True, **engine)
         config = args.create_engine_config()
         with set_current_vllm_config(config):
             return get_model(vllm_config=config, model_config=config.speculative_config.draft_model_config)
-    finally:
-        if shim:
-            sys.path.remove(str(textonly.SHIM_DIR))
-            for module in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-                del sys.modules[module]
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
