@@ -197,6 +197,7 @@ class Dashboard(App[None]):
         engine.lost = message.error
         engine.lost_hint = message.hint
         self._engine_gone()
+        self.screen_panel(MemoryPanel).status = None  # no daemon, no engine: its last RSS is no longer true
         self.sub_title = "daemon not reachable"
 
     def _engine_gone(self) -> None:
@@ -269,11 +270,14 @@ def profile_info(st: DaemonStatus | None) -> Table | Text:
         how = "pinned (--kv-cache-memory-bytes)" if st.kv_budget_pinned else "estimate"
         kv = f"{human_bytes(st.kv_budget_bytes)} · {st.kv_budget_tokens or 0:,} tokens · {how}"
     grid.add_row("KV budget", kv)
-    if st.gpu is not None:
+    if st.gpu is not None and st.gpu.kind == "cpu":
+        grid.add_row("GPU", f"none: serving on the CPU ({human_bytes(st.gpu.memory_bytes)} RAM)")
+    elif st.gpu is not None:
         g = st.gpu
         grid.add_row("GPU", f"{g.name} · {g.vendor} {g.kind}")
         details = [f"pci {g.pci_id}" if g.pci_id else "", g.slot or "", g.driver or "", g.render_node or "", g.xe_gen or ""]
-        grid.add_row("", " · ".join(d for d in details if d) or "–")
+        if any(details):
+            grid.add_row("", " · ".join(d for d in details if d))
         grid.add_row("Memory", human_bytes(g.memory_bytes))
     return grid
 

@@ -65,6 +65,7 @@ class DaemonStatus:
     profile_reason: str = ""
     gpu: GpuStatus | None = None
     endpoint: str | None = None  # "http://127.0.0.1:11436/v1" once a model is configured
+    api_key_required: bool | None = None  # the endpoint wants `Authorization: Bearer`; None: an older daemon
     engine_pid: int | None = None
     engine_rss_bytes: int | None = None  # whole engine process tree
     restarts: int = 0

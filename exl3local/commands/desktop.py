@@ -22,6 +22,7 @@ def _cmd_service(args: argparse.Namespace) -> int:
     layout = service.Layout.from_env()
     if args.action == "install":
         lines = service.install(layout, **_context(), autoload=args.autoload, tray=args.tray, force=args.force, now=args.now)
+        lines += service.secrets_left_out()
     elif args.action == "uninstall":
         lines = service.uninstall(layout)
     elif args.action == "status":

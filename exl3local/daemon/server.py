@@ -41,7 +41,7 @@ from exl3local.api.protocol import (
     error_to_json,
 )
 from exl3local.daemon.plan import Plan, env_number, plan, port_free
-from exl3local.engine import launch, stats
+from exl3local.engine import apikey, launch, stats
 from exl3local.engine.log import EngineLog
 from exl3local.engine.supervisor import Policy, Supervisor, end_group, group_alive
 from exl3local.machine import hardware
@@ -195,6 +195,7 @@ class Daemon:
             "profile_reason": p.profile_reason if p else "",
             "gpu": asdict(GpuStatus.of(p.gpu)) if p else None,
             "endpoint": p.spec.endpoint if p else None,
+            "api_key_required": apikey.required(p.spec.env if p else None),
             "engine_rss_bytes": stats.tree_rss(st["engine_pid"]),
             "kv_budget_bytes": p.budget.kv_budget_bytes if p else None,
             "kv_budget_tokens": p.budget.kv_budget_tokens if p else None,

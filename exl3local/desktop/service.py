@@ -23,16 +23,21 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from exl3local import paths
+from exl3local import env, paths
 from exl3local.api.client import DaemonClient
 from exl3local.errors import ConfigError, DaemonUnavailable
 
 UNIT = "exl3local.service"
 # Carried into the unit when set: the user's shell sets them, a systemd user service would not see them.
-# HF_* so the daemon finds the models `pull` put in the hub cache. Never HF_TOKEN: a secret has no place
-# in a unit file, and huggingface_hub reads its stored token itself.
-CARRIED_ENV_PREFIXES = ("EXL3LOCAL_",)
-CARRIED_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_HUB_OFFLINE")
+# HF_* so the daemon finds the models `pull` put in the hub cache. Never a secret: the unit file is
+# readable by every user and `systemctl show` prints its Environment= lines, so neither HF_TOKEN
+# (huggingface_hub reads its stored token itself) nor EXL3LOCAL_API_KEY (the key file's path travels
+# instead). Never an internal variable either: the daemon sets those for its own children.
+SECRET_ENV = (env.API_KEY.name,)
+CARRIED_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_HUB_OFFLINE") + tuple(
+    v.name for v in env.ALL
+    if v.name.startswith("EXL3LOCAL_") and not v.doc.startswith("internal:") and v.name not in SECRET_ENV
+)
 PLACEHOLDER = re.compile(r"@[A-Z_]+@")
 SYSTEMCTL_TIMEOUT_S = 15.0
 AUTOLOAD_WAIT_S = 20.0
@@ -112,8 +117,21 @@ def carried_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     return {
         k: v for k, v in sorted(environ.items())
-        if k in CARRIED_ENV or k.startswith(CARRIED_ENV_PREFIXES)
+        if k in CARRIED_ENV
     }  # fmt: skip
+
+
+def secrets_left_out(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Report lines for the secrets set in this shell that the unit does not carry, and what to do instead."""
+    environ = os.environ if environ is None else environ
+    if not environ.get(env.API_KEY.name):
+        return []
+    if environ.get(env.API_KEY_FILE.name):
+        return [f"note: {env.API_KEY.name} is not written into the unit (every user can read a unit file); "
+                f"the unit carries {env.API_KEY_FILE.name}, which takes precedence anyway"]
+    return [f"note: {env.API_KEY.name} is not written into the unit (every user can read a unit file, and "
+            f"`systemctl show` prints it), so the service's endpoint has no key: put the key in a file "
+            f"(chmod 600) and install again with {env.API_KEY_FILE.name}=/path/to/file set"]
 
 
 def render_unit(python: str, state_dir: Path, env: Mapping[str, str], autoload: bool) -> str:

@@ -73,6 +73,20 @@ def test_environment_values_are_quoted_for_systemd_and_secrets_stay_out():
     assert 'Environment="HF_HOME=/h f/50%%\\"x"' in unit.splitlines()
 
 
+def test_the_unit_carries_the_key_file_never_the_key_nor_internal_variables(tmp_path):
+    """Issue 24 item 6: the unit file is world-readable and `systemctl show` prints Environment=."""
+    shell = {"EXL3LOCAL_API_KEY": "sk-secret-123", "EXL3LOCAL_API_KEY_FILE": "/home/u/.key",
+             "EXL3LOCAL_ENGINE_PARENT": "4242", "EXL3LOCAL_CORS_ORIGINS": "[]", "EXL3LOCAL_HOST": "127.0.0.1:1"}
+    env = service.carried_env(shell)
+    assert env == {"EXL3LOCAL_API_KEY_FILE": "/home/u/.key", "EXL3LOCAL_HOST": "127.0.0.1:1"}
+    unit = service.render_unit("/usr/bin/python3", tmp_path, env, autoload=False)
+    assert "sk-secret-123" not in unit and "ENGINE_PARENT" not in unit and "CORS_ORIGINS" not in unit
+    # a key only in the variable: install says the service's endpoint goes without one, and how to fix it
+    (note,) = service.secrets_left_out({"EXL3LOCAL_API_KEY": "sk-secret-123"})
+    assert "EXL3LOCAL_API_KEY_FILE" in note and "sk-secret-123" not in note
+    assert service.secrets_left_out({}) == []
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 @pytest.mark.parametrize("autoload", [False, True])
 def test_rendered_unit_passes_systemd_analyze_verify(tmp_path, ctx, autoload):

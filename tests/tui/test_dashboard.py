@@ -121,6 +121,8 @@ async def test_survives_the_daemon_going_away_and_coming_back(wait_until, stub_d
         assert "not reachable" in rendered(engine)
         assert engine.has_class("-lost")
         assert app.query_one(ThroughputPanel).snapshot is None
+        # the engine went with its daemon: no RSS of it stays on screen (issue 24)
+        assert "Engine RSS" not in rendered(app.query_one(MemoryPanel))
         stub_daemon.requests.clear()
         stub_daemon.start()
         await wait_until(pilot, lambda: engine.lost is None)
@@ -171,7 +173,11 @@ async def test_keys_help_profile_logs_and_quit(wait_until, stub_daemon):
         await pilot.press("escape")
         await pilot.press("p")
         assert isinstance(app.screen, InfoScreen) and app.screen.title_text == "Profile"
-        assert "no GPU found" in rendered(app.screen.query_one(".dialog-text"), app.screen.body)
+        profile_text = rendered(app.screen.query_one(".dialog-text"), app.screen.body)
+        assert "no GPU found" in profile_text
+        # the CPU is not shown as a GPU named "CPU · cpu cpu", nor with a stray dash for missing details
+        assert "none: serving on the CPU (24.0 GiB RAM)" in profile_text and "cpu cpu" not in profile_text
+        assert " – " not in profile_text.split("GPU", 1)[1], profile_text
         await pilot.click("#close")  # the mouse works too
         assert not isinstance(app.screen, InfoScreen)
         await pilot.press("l")
@@ -239,3 +245,14 @@ async def test_engine_log_write_errors_are_shown_while_serving(wait_until, stub_
         await wait_until(pilot, lambda: engine.status is not None)
         text = rendered(engine)
         assert "READY" in text and "2 writes failed" in text and "No space left" in text
+
+
+async def test_the_engine_panel_says_whether_the_endpoint_requires_a_key(wait_until, stub_daemon):
+    for required, expected in ((False, "no key: open to every local program"), (True, "key required")):
+        stub_daemon.set_status("status_ready.json")
+        stub_daemon.status = {**stub_daemon.status, "api_key_required": required}
+        app = make_dashboard(stub_daemon.url, POLL_ONCE_S)
+        async with app.run_test(size=SIZE) as pilot:
+            engine = app.query_one(EnginePanel)
+            await wait_until(pilot, lambda: engine.status is not None)
+            assert expected in rendered(engine)

@@ -86,7 +86,11 @@ class EnginePanel(Widget):
             grid.add_row("", Text(note, style="dim", no_wrap=True, overflow="ellipsis"))
         gpu = st.gpu
         grid.add_row("GPU", f"{gpu.name} ({gpu.kind}{', ' + gpu.driver if gpu.driver else ''})" if gpu else "–")
-        grid.add_row("Endpoint", st.endpoint or "–")
+        endpoint = Text(st.endpoint or "–")
+        if st.api_key_required is not None:  # an older daemon does not say
+            endpoint.append("  key required" if st.api_key_required else "  no key: open to every local program",
+                            style="dim" if st.api_key_required else "yellow")
+        grid.add_row("Endpoint", endpoint)
         grid.add_row("Uptime", f"{human_duration(st.uptime_s)} · restarts {st.restarts} · pid {st.engine_pid or '–'}")
         parts = [grid]
         if st.state == EngineState.STARTING and st.progress:
