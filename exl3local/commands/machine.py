@@ -6,15 +6,17 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
 from exl3local import env, manifest, paths, profiles
 from exl3local.api.client import DaemonClient
-from exl3local.api.protocol import ENGINE_ALIVE
-from exl3local.daemon.plan import ENGINE_HOST, port_free
+from exl3local.api.protocol import ENGINE_ALIVE, UpRequest
+from exl3local.daemon.plan import ENGINE_HOST, plan, port_free
 from exl3local.engine import apikey, model_fit
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
 from exl3local.machine import hardware
@@ -252,12 +254,6 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 def dry_run(args: argparse.Namespace) -> int:
     """`up --dry-run`: the plan a real `up` would start, made by the same code (daemon/plan.py) in this process
     with this shell's environment, printed; no daemon, no engine, no download, no temp dir."""
-    import shlex
-    from pathlib import Path
-
-    from exl3local.api.protocol import UpRequest
-    from exl3local.daemon.plan import plan
-
     model = args.model
     if model is not None and not isinstance(store.parse_argument(model), store.ModelRef):
         model = str(Path(model).resolve())

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from exl3local import env, profiles
 from exl3local.errors import BudgetError
+from exl3local.manifest import text_config
 from exl3local.machine import budget, hardware, xpu
 
 RUNTIME_SOURCE = "the GPU runtime in the engine's interpreter (torch.xpu.mem_get_info)"
@@ -80,8 +81,6 @@ class Selection:
 
 def _splits(config: Mapping, n: int) -> bool:
     """vLLM's tensor parallel splits the attention heads evenly over the cards."""
-    from exl3local.manifest import text_config
-
     heads = text_config(config).get("num_attention_heads")
     return isinstance(heads, int) and heads % n == 0
 

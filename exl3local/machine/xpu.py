@@ -3,8 +3,8 @@ their memory as torch.xpu reports it (the numbers vLLM's start-up check compares
 
 sysfs cannot say some of it: a B70 without resizable BAR on mainline xe has no VRAM size there, and a GPU
 that Level Zero does not enumerate (an old iGPU on a legacy driver) shifts every device index after it.
-`query(python)` runs this module in the engine's interpreter (`python -P -m exl3local.machine.xpu`) and
-reads one JSON line back; on a machine without an XPU runtime it reports no devices.
+`query(python)` runs QUERY in the engine's interpreter (`python -P -c QUERY`) and reads one JSON line
+back; on a machine without an XPU runtime it reports no devices and says why.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-QUERY_MODULE = "exl3local.machine.xpu"
 MARK = "XPU-RUNTIME "
 QUERY_TIMEOUT_S = 120.0  # importing torch with the XPU runtime takes a while on a handheld
 # Level Zero orders devices by PCI address only when asked to; the engine gets the same setting.
@@ -55,7 +54,7 @@ def query(python: str, environ: dict[str, str] | None = None, timeout: float = Q
     base = dict(os.environ if environ is None else environ)
     base.pop("ZE_AFFINITY_MASK", None)  # every device, so an index can be resolved
     try:
-        proc = subprocess.run([python, "-P", "-m", QUERY_MODULE], capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run([python, "-P", "-c", QUERY], capture_output=True, text=True, timeout=timeout,
                               cwd="/", env={**base, **PCI_ORDER_ENV})
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Runtime(python, None, (), f"{python}: {exc}")
@@ -84,33 +83,31 @@ def affinity_index(gpu: Any, gpus: Sequence[Any], runtime: Runtime | None) -> in
     return seen[twins.index(gpu)].index
 
 
-def _main() -> None:
-    out: dict[str, Any] = {"torch": None, "devices": [], "error": None}
-    try:
-        import torch
-
-        out["torch"] = torch.__version__
-        xpu = getattr(torch, "xpu", None)
-        if xpu is None or not xpu.is_available():
-            out["error"] = f"torch {torch.__version__} sees no XPU device (a CPU or CUDA build, or no Level Zero GPU)"
-        else:
-            for i in range(xpu.device_count()):
-                p = xpu.get_device_properties(i)
-                try:
-                    free, total = xpu.mem_get_info(i)
-                except (RuntimeError, AttributeError):
-                    free, total = None, getattr(p, "total_memory", None)
-                out["devices"].append({
-                    "index": i, "name": str(getattr(p, "name", "?")), "device_id": getattr(p, "device_id", None),
-                    "total_bytes": total, "free_bytes": free,
-                    "xmx": getattr(p, "has_subgroup_matrix_multiply_accumulate", None),
-                    "xe_cores": getattr(p, "gpu_subslice_count", None),
-                    "driver": str(getattr(p, "driver_version", "")) or None,
-                })
-    except Exception as exc:  # noqa: BLE001 - whatever breaks, the caller gets one line saying what
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    print(MARK + json.dumps(out), flush=True)
-
-
-if __name__ == "__main__":
-    _main()
+# Runs in the engine's interpreter (`python -P -c QUERY`): this package never imports torch itself.
+QUERY = f"""
+import json
+out = {{"torch": None, "devices": [], "error": None}}
+try:
+    import torch
+    out["torch"] = torch.__version__
+    xpu = getattr(torch, "xpu", None)
+    if xpu is None or not xpu.is_available():
+        out["error"] = "torch " + torch.__version__ + " sees no XPU device (a CPU or CUDA build, or no Level Zero GPU)"
+    else:
+        for i in range(xpu.device_count()):
+            p = xpu.get_device_properties(i)
+            try:
+                free, total = xpu.mem_get_info(i)
+            except (RuntimeError, AttributeError):
+                free, total = None, getattr(p, "total_memory", None)
+            out["devices"].append({{
+                "index": i, "name": str(getattr(p, "name", "?")), "device_id": getattr(p, "device_id", None),
+                "total_bytes": total, "free_bytes": free,
+                "xmx": getattr(p, "has_subgroup_matrix_multiply_accumulate", None),
+                "xe_cores": getattr(p, "gpu_subslice_count", None),
+                "driver": str(getattr(p, "driver_version", "")) or None,
+            }})
+except Exception as exc:
+    out["error"] = type(exc).__name__ + ": " + str(exc)
+print({MARK!r} + json.dumps(out), flush=True)
+"""
