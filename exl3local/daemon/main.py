@@ -19,7 +19,9 @@ from exl3local.engine.log import LOG_BACKUPS, LOG_MAX_BYTES
 
 class InstanceLock:
     """flock on the runtime dir's daemon.lock: held for the daemon's life, released by the
-    kernel if it dies, so a stale file never blocks the next daemon."""
+    kernel if it dies, so a stale file never blocks the next daemon. The file is never deleted:
+    a daemon starting meanwhile may have opened it already and would lock the unlinked file
+    while a third one creates and locks a new one (two daemons, each holding "the" lock)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -44,7 +46,7 @@ class InstanceLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            self.path.unlink(missing_ok=True)
+            os.ftruncate(self.fd, 0)  # no pid: clients then know no daemon holds it
             os.close(self.fd)
             self.fd = None
 

@@ -19,7 +19,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -43,7 +43,8 @@ from exl3local.api.protocol import (
 from exl3local.daemon.plan import Plan, env_number, plan, port_free
 from exl3local.engine import apikey, launch, stats
 from exl3local.engine.log import EngineLog
-from exl3local.engine.supervisor import Policy, Supervisor, end_group, group_alive
+from exl3local.engine.procgroup import Unkillable, end_group, group_alive
+from exl3local.engine.supervisor import Policy, Supervisor
 from exl3local.machine import hardware
 
 log = logging.getLogger("exl3local.daemon")
@@ -100,7 +101,8 @@ class Daemon:
         except psutil.Error:
             created = None
         rec = {"pid": proc.pid, "create_time": created, "tmpdir": spec.tmpdir}
-        paths.engine_record().write_text(json.dumps(rec))
+        # atomic: a daemon killed mid-write must not leave a record the next one cannot read
+        paths.write_atomic(paths.engine_record(), json.dumps(rec), mode=0o600)
         self.engine_log.mark(f"engine started, pid {proc.pid}: {' '.join(spec.argv)}")
 
     def _forget_engine(self, spec: Any, proc: Any) -> None:
@@ -123,7 +125,11 @@ class Daemon:
             same = False
         if same and group_alive(pid):
             log.warning("ending engine group %d left by a previous daemon", pid)
-            await end_group(pid, 10.0)
+            try:
+                await end_group(pid, 10.0)
+            except Unkillable as exc:  # keep the record: the next start tries again
+                log.error("the engine group %d left by a previous daemon: %s", pid, exc)
+                return
         if rec.get("tmpdir"):
             shutil.rmtree(rec["tmpdir"], ignore_errors=True)
         record.unlink(missing_ok=True)
@@ -255,7 +261,10 @@ class Daemon:
         if lost_engine_gpu and self.plan is not None and self.sup.state != EngineState.STOPPED:
             log.warning("the engine's GPU %s went away: restarting on what is left", engine_slot)
             self.engine_log.mark(f"GPU {engine_slot} removed: restarting the engine")
-            req = UpRequest(model=str(self.plan.model_dir), profile=None)
+            # The same request (port, --set overrides, demo) with the profile chosen afresh from
+            # what is left; the model as resolved, so a profile default does not change with it.
+            last = self.last_request or UpRequest()
+            req = replace(last, profile=None, model=last.model or (None if last.demo else str(self.plan.model_dir)))
             try:
                 await self.up(req)
             except errors.Exl3Error as exc:

@@ -16,6 +16,8 @@ from typing import Any
 LOG_MAX_BYTES = 10 * 2**20
 LOG_BACKUPS = 3
 MARK_MAX_CHARS = 2000  # a mark quotes user input (model names, errors): keep each line bounded
+READ_MAX_BYTES = 2**20  # of one `logs` answer from an offset
+TAIL_MAX_BYTES = 2**20  # how far back `tail` looks for its lines
 
 
 class EngineLog:
@@ -79,19 +81,26 @@ class EngineLog:
         self.write(f"--- exl3local {time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n".encode())
 
     def read(self, *, tail: int | None = None, offset: int | None = None) -> dict[str, Any]:
+        """Only what is asked for is read: from `offset` at most READ_MAX_BYTES (the answer's
+        offset says where to go on), or the last `tail` lines from a few blocks before the end;
+        never the whole file on every `logs -f` poll."""
         try:
             with open(self.path, "rb") as f:
-                data = f.read(self.max_bytes + 2**20)  # bounded: rotation keeps the file under max_bytes
+                size = os.fstat(f.fileno()).st_size
+                end = self.base + size
+                if offset is None:
+                    return {"text": _last_lines(f, size, tail or 200).decode("utf-8", "replace"),
+                            "offset": end, "rotated": False}
+                # Below base: rotated away since. Past the end: an offset from an earlier daemon.
+                rotated = not self.base <= offset <= end
+                start = 0 if rotated else offset - self.base
+                f.seek(start)
+                data = f.read(READ_MAX_BYTES)
         except OSError:
-            data = b""
-        end = self.base + len(data)
-        if offset is not None:
-            # Below base: rotated away since. Past the end: an offset from an earlier daemon.
-            rotated = not self.base <= offset <= end
-            start = 0 if rotated else offset - self.base
-            return {"text": data[start:].decode("utf-8", "replace"), "offset": end, "rotated": rotated}
-        lines = data.splitlines(keepends=True)[-(tail or 200):]
-        return {"text": b"".join(lines).decode("utf-8", "replace"), "offset": end, "rotated": False}
+            return {"text": "", "offset": self.base, "rotated": offset is not None and offset != self.base}
+        if len(data) == READ_MAX_BYTES and b"\n" in data:
+            data = data[: data.rindex(b"\n") + 1]  # whole lines: no character split between two answers
+        return {"text": data.decode("utf-8", "replace"), "offset": self.base + start + len(data), "rotated": rotated}
 
     def health(self) -> dict[str, Any]:
         """For /api/status: writes dropped since the daemon started, and the latest error."""
@@ -100,3 +109,18 @@ class EngineLog:
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+
+
+def _last_lines(f: Any, size: int, n: int) -> bytes:
+    """The last n lines of an open file, read backwards in blocks (at most TAIL_MAX_BYTES)."""
+    data = b""
+    pos = size
+    while pos > 0 and data.count(b"\n") <= n and len(data) < TAIL_MAX_BYTES:
+        step = min(64 * 1024, pos)
+        pos -= step
+        f.seek(pos)
+        data = f.read(step) + data
+    lines = data.splitlines(keepends=True)
+    if pos > 0:
+        lines = lines[1:]  # it may start mid-line
+    return b"".join(lines[-n:])

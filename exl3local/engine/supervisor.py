@@ -20,7 +20,7 @@ once, with the cause as the first line of `last_error`.
 
 The decisions (`after_exit`, `backoff_delay_s`) are plain methods over an injected clock; the OS
 effects (spawn, health probe, listener owner, process states) are injected too, so unit tests
-drive them without processes.
+drive them without processes (they live in procgroup.py; the start-error finder in cause.py).
 """
 
 from __future__ import annotations
@@ -29,17 +29,26 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import shutil
-import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from exl3local import paths
 from exl3local.api.protocol import EngineState
+from exl3local.engine.cause import CauseFinder, same_cause
+from exl3local.engine.procgroup import (
+    States,
+    Unkillable,
+    end_group,
+    engine_listener,
+    group_states,
+    http_health,
+    port_taken,
+    process_name,
+    spawn_process,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,148 +91,6 @@ ListenerCheck = Callable[[Any, int], str | None]
 PortCheck = Callable[[str, int], str | None]
 
 
-async def spawn_process(spec: Any) -> Process:
-    """The engine in its own session (= process group), cwd = the state dir, output merged."""
-    return await asyncio.create_subprocess_exec(
-        *spec.argv, env=dict(spec.env), cwd=str(paths.state_dir()), stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-
-
-async def http_health(spec: Any, timeout_s: float = 2.0) -> bool:
-    """GET /health on the engine port answers 200. A bare HTTP/1.0 request: this runs every
-    `liveness_poll_s` while READY, and an HTTP client per probe costs more than the probe."""
-    writer = None
-    try:
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(spec.host, spec.port)
-            writer.write(f"GET /health HTTP/1.0\r\nHost: {spec.host}:{spec.port}\r\n\r\n".encode())
-            status_line = await reader.readline()
-        return status_line.split(b" ", 2)[1:2] == [b"200"]
-    except (OSError, TimeoutError):
-        return False
-    finally:
-        if writer is not None:
-            writer.close()
-
-
-def engine_listener(spec: Any, pgid: int) -> str | None:
-    """None when a process of the engine's group listens on the engine port; else who does."""
-    if any(paths.listens(pid, spec.host, spec.port) for pid in group_members(pgid)):
-        return None
-    return paths.port_holder(spec.host, spec.port)
-
-
-def port_taken(host: str, port: int) -> str | None:
-    return None if paths.port_free(host, port) else paths.port_holder(host, port)
-
-
-def group_states(pgid: int, among: Sequence[int] | None = None) -> dict[int, str]:
-    """pid -> process state letter (R, S, D, T, t, ...) of the live (non-zombie) members of a
-    process group, from /proc: all of /proc, or only the pids `among`. A zombie stays in its group
-    until reaped, and a container's PID 1 may never reap orphans: killpg(pgid, 0) would then
-    report the group alive forever."""
-    members = {}
-    pids = among if among is not None else (int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            members[pid] = fields[0].decode()
-    return members
-
-
-def group_members(pgid: int) -> list[int]:
-    return list(group_states(pgid))
-
-
-def process_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
-
-
-# vLLM prefixes every line of its processes: "(EngineCore pid=12) ERROR 12-01 10:11:12 [core.py:1510] ".
-_LINE_PREFIX = re.compile(r"(\([^()\n]* pid=\d+\) )?"
-                          r"((?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ?)?")
-_EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: .*)?")
-_USAGE_ERROR = re.compile(r"[\w .-]+: error: .+")  # argparse: "vllm: error: unrecognized arguments: --x"
-_VARYING = re.compile(r"0x[0-9a-fA-F]+|\d+")  # pids, addresses, sizes: the same error with other numbers is the same
-CAUSE_MAX_CHARS = 500
-
-
-class CauseFinder:
-    """The first error of one engine start: a command-line usage error ("vllm: error: ..."), or
-    the Python exception line that closes a traceback ("Traceback (most recent call last):",
-    indented frames, then `SomeError: message`), per vLLM process, with vLLM's log prefixes
-    removed. Chained exceptions and the EngineCore's own traceback come before the API server's
-    "Engine core initialization failed. See root cause above", so the first one is the root cause."""
-
-    def __init__(self) -> None:
-        self.cause: str | None = None
-        self._in_traceback: dict[str, bool] = {}
-        self._continue: tuple[str, int] | None = None  # pydantic's message follows on indented lines
-
-    def feed(self, line: str) -> None:
-        m = _LINE_PREFIX.match(line)
-        source, text = m.group(1) or "", line[m.end():].rstrip("\r\n")
-        if self._continue is not None and self._continue[0] == source and text.startswith(" ") and text.strip():
-            self.cause = f"{self.cause} {text.strip()}"[:CAUSE_MAX_CHARS]
-            left = self._continue[1] - 1
-            self._continue = (source, left) if left else None
-            return
-        self._continue = None
-        if text.startswith("Traceback (most recent call last):"):
-            self._in_traceback[source] = True
-        elif self.cause is None and not source and _USAGE_ERROR.fullmatch(text):
-            self.cause = text[:CAUSE_MAX_CHARS]
-        elif self._in_traceback.get(source) and not text.startswith((" ", "\t")):
-            self._in_traceback[source] = False
-            if self.cause is None and _EXCEPTION.fullmatch(text):
-                self.cause = text[:CAUSE_MAX_CHARS]
-                if re.search(r"validation errors? for \w+$", text):
-                    self._continue = (source, 2)
-
-
-def same_cause(a: str | None, b: str | None) -> bool:
-    return a is not None and b is not None and _VARYING.sub("#", a) == _VARYING.sub("#", b)
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return bool(group_members(pgid))
-
-
-def signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-async def end_group(pgid: int, timeout_s: float) -> bool:
-    """SIGTERM the group, wait for every member, SIGKILL what is left. True if it had to kill."""
-    signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while group_alive(pgid) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if not group_alive(pgid):
-        return False
-    signal_group(pgid, signal.SIGKILL)
-    while group_alive(pgid):
-        await asyncio.sleep(0.05)
-    return True
-
-
 class Supervisor:
     def __init__(
         self,
@@ -238,7 +105,7 @@ class Supervisor:
         kill_group: Callable[[int, float], Awaitable[bool]] = end_group,
         listener: ListenerCheck = engine_listener,
         port_check: PortCheck = port_taken,
-        states: Callable[[int, Sequence[int] | None], dict[int, str]] = group_states,
+        states: States = group_states,
     ) -> None:
         self.spawn = spawn
         self.health = health
@@ -264,6 +131,7 @@ class Supervisor:
         self.stderr_tail = ""
         self.progress = ""
         self.output_errors = 0  # chunks on_output failed to take (they still reach the tail)
+        self.unkillable: str | None = None  # members that outlived SIGKILL (D state): why FAILED
         self._cause = CauseFinder()
         self._previous_cause: str | None = None  # of the last start that failed before READY
         self._tail: deque[bytes] = deque()
@@ -333,8 +201,10 @@ class Supervisor:
         now = self.clock()
         pid = self.proc.pid if self.proc is not None and self.proc.returncode is None else None
         state = self.state
-        if state == EngineState.READY and pid is None:
-            state = EngineState.BACKOFF  # the leader is dead; _run records it on its next poll
+        if state == EngineState.READY and (pid is None or pid not in self.states(pid, [pid])):
+            # The leader is dead or a zombie not yet reaped (asyncio reaps it a loop turn or more
+            # after the kill): _run records it on its next poll, but READY ends now.
+            state = EngineState.BACKOFF
         return {
             "state": state.value,
             "engine_pid": pid,
@@ -361,6 +231,7 @@ class Supervisor:
         self.last_error = None
         self.exit_status = None
         self.stderr_tail = ""
+        self.unkillable = None
         self._set(EngineState.STARTING)  # STOPPED/FAILED -> STARTING
         self._task = asyncio.create_task(self._run(), name="engine")
 
@@ -375,7 +246,10 @@ class Supervisor:
             await task
         self.ready_since = None
         self.retry_at = None
-        self._set(EngineState.STOPPED)
+        if self.unkillable:
+            self._set(self.give_up(self.unkillable))
+        else:
+            self._set(EngineState.STOPPED)
 
     # ---- the loop --------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -418,6 +292,9 @@ class Supervisor:
             nxt = self._decide(outcome, status, detail)
             self._set(nxt)
             await self._reap(proc, 0.0 if outcome in ("hung", "squatted") else self.policy.stop_timeout_s)
+            if self.unkillable:  # no restart beside processes that still hold the device
+                nxt = self.give_up(self.unkillable)
+                self._set(nxt)
             return nxt
         finally:
             reader.cancel()
@@ -528,9 +405,13 @@ class Supervisor:
             return
         while True:
             try:
-                chunk = await proc.stdout.readline()
-            except ValueError:  # a line over the reader's limit: take what is buffered, as is
-                chunk = await proc.stdout.read(64 * 1024)
+                chunk = await proc.stdout.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:  # EOF: the last line had no newline
+                chunk = exc.partial
+            except asyncio.LimitOverrunError as exc:
+                # A line over the reader's limit (64 KiB): take what is buffered, which readuntil
+                # leaves in place (readline would have dropped it), and the rest comes next.
+                chunk = await proc.stdout.read(max(exc.consumed, 1))
             if not chunk:
                 return
             self._keep(chunk)
@@ -569,7 +450,15 @@ class Supervisor:
                 self.proc = None
 
     async def _end(self, proc: Process, grace_s: float) -> None:
-        killed = await self.kill_group(proc.pid, grace_s)
+        try:
+            killed = await self.kill_group(proc.pid, grace_s)
+        except Unkillable as exc:
+            # Not waiting on: the leader may never be reaped. The engine record stays, so the
+            # next daemon start tries again.
+            self.unkillable = f"{exc}; the engine cannot be restarted until they are gone"
+            log.error("%s", self.unkillable)
+            shutil.rmtree(self.spec.tmpdir, ignore_errors=True)
+            return
         await self._leader_exit(proc)
         if killed and grace_s:
             log.warning("engine group %d ignored SIGTERM for %.0f s: killed", proc.pid, grace_s)

@@ -1,13 +1,19 @@
-"""Daemon pieces without processes: hotplug decisions, settings from the environment."""
+"""Daemon pieces without the daemon process: hotplug decisions, settings from the environment, the
+engine record, the instance lock."""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 from types import SimpleNamespace
 
 import pytest
 
-from exl3local.api.protocol import EngineState
+from exl3local import paths
+from exl3local.api.protocol import EngineState, UpRequest
 from exl3local.daemon import plan
+from exl3local.daemon.main import InstanceLock
 from exl3local.daemon.server import Daemon
 from exl3local.errors import ConfigError
 from exl3local.machine import hardware
@@ -47,3 +53,55 @@ def test_engine_port_must_be_a_positive_number(monkeypatch):
     monkeypatch.setenv("EXL3LOCAL_ENGINE_PORT", "0")
     with pytest.raises(ConfigError, match="must be positive"):
         plan.engine_port()
+
+
+async def test_a_hotplug_restart_keeps_the_whole_up_request(xdg, monkeypatch):
+    d = Daemon(sysfs_root=xdg)
+    calls = []
+
+    async def up(req):
+        calls.append(req)
+        return {}
+
+    monkeypatch.setattr(d, "up", up)
+    egpu = _gpu("0000:05:00.0", "Arc Pro B70")
+    await d.gpus_changed([egpu])
+    d.plan = SimpleNamespace(gpu=egpu, model_dir="/models/m")
+    d.last_request = UpRequest(model=None, profile="b70", port=12345, overrides={"vllm.max_model_len": "2048"})
+    d.sup.state = EngineState.READY
+    await d.gpus_changed([])
+    # the profile is chosen again from what is left; port and --set stay; the model as resolved
+    assert calls == [UpRequest(model="/models/m", profile=None, port=12345, overrides={"vllm.max_model_len": "2048"})]
+    d.last_request = UpRequest(demo=True, port=23456)
+    await d.gpus_changed([egpu])
+    await d.gpus_changed([])
+    assert calls[-1] == UpRequest(demo=True, port=23456)
+    d.engine_log.close()
+
+
+def test_the_engine_record_is_replaced_atomically(xdg, tmp_path):
+    d = Daemon(sysfs_root=xdg)
+    record = paths.engine_record()
+    record.write_text('{"pid": 1}')
+    os.link(record, tmp_path / "old-record")  # the old inode: a reader holding it sees no half-written text
+    spec = SimpleNamespace(tmpdir=str(tmp_path / "engine-tmp"), argv=("vllm",))
+    d._record_engine(spec, SimpleNamespace(pid=os.getpid()))
+    assert json.loads(record.read_text())["pid"] == os.getpid()
+    assert (tmp_path / "old-record").read_text() == '{"pid": 1}'  # replaced by a rename, not rewritten in place
+    assert oct(record.stat().st_mode & 0o777) == "0o600"
+    d.engine_log.close()
+
+
+def test_releasing_the_instance_lock_never_lets_two_daemons_hold_it(tmp_path):
+    path = tmp_path / "daemon.lock"
+    first = InstanceLock(path)
+    assert first.acquire()
+    opened = os.open(path, os.O_RDWR)  # a second daemon starting: it opened the file, not yet locked
+    first.release()
+    fcntl.flock(opened, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ... and now holds the lock on that file
+    third = InstanceLock(path)
+    assert not third.acquire()  # the same file, so the lock is seen: no second holder
+    os.close(opened)
+    assert third.acquire() and path.read_text() == str(os.getpid())
+    third.release()
+    assert path.read_text() == ""  # no stale pid for clients to trust

