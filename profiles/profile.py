@@ -90,6 +90,23 @@ def _origins(v: object) -> tuple[str, ...]:
     return origins
 
 
+MODEL_CHOICE_KEYS = {"repo": _str, "revision": _str, "served_name": _str, "weight_bytes": parse_size}
+
+
+def _model_choices(v: object) -> tuple[dict[str, Any], ...]:
+    """[[model.by_memory]] tables: smaller models to serve by default when the default one cannot fit this
+    machine's memory, in order of preference; each needs repo and weight_bytes (its weights in memory)."""
+    if not isinstance(v, list) or not all(isinstance(t, dict) for t in v):
+        raise ValueError(f"expected a list of tables, got {v!r}")
+    out = []
+    for table in v:
+        unknown = set(table) - set(MODEL_CHOICE_KEYS)
+        if unknown or not {"repo", "weight_bytes"} <= set(table):
+            raise ValueError(f"each entry takes repo, weight_bytes and optionally revision, served_name; got {table!r}")
+        out.append({k: MODEL_CHOICE_KEYS[k](x) for k, x in table.items()})
+    return tuple(out)
+
+
 def _pci_ids(v: object) -> tuple[str, ...]:
     ids = _str_list(v)
     for i in ids:
@@ -114,6 +131,8 @@ SCHEMA: dict[str, dict[str, Callable[[object], Any]]] = {
         "demo": _bool,  # default model is the tiny one bundled in the package
         "served_name": _str,
         "max_model_len": _int(16, 2**22),
+        "weight_bytes": parse_size,  # the default model's weights in memory, to choose by memory before a pull
+        "by_memory": _model_choices,
     },
     "vllm": {
         "dtype": _choice("auto", "bfloat16", "float16"),
@@ -143,6 +162,7 @@ SCHEMA: dict[str, dict[str, Callable[[object], Any]]] = {
         "os_reserve_bytes": parse_size,  # left to the OS and desktop (shared-memory machines)
         "engine_overhead_bytes": parse_size,  # runtime, activations, buffers beside weights and KV
         "kv_max_bytes": parse_size,  # cap on the KV cache even when more would fit
+        "kv_start_bytes": parse_size,  # a pin proven in the field: the KV grows past it by half the spare headroom
     },
 }
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -20,9 +20,9 @@ from exl3local import env, errors, manifest, paths
 from exl3local.api.protocol import UpRequest
 from exl3local.engine import launch, model_fit
 from exl3local.machine import budget, hardware, transient
-from exl3local.machine.select import Device, find_device, select
+from exl3local.machine.select import Device, find_device, model_choices, select
 from exl3local.models import store
-from exl3local.profiles import Profile
+from exl3local.profiles import Profile, speculative_config
 
 ENGINE_HOST = "127.0.0.1"
 # A dry run creates nothing: the engine's private temp dir is named, not made.
@@ -142,9 +142,18 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     fitted = model_fit.fit(prof, man, torchvision_missing=model_fit.torchvision_missing(engine_python))
     prof = fitted.profile
     environ = os.environ if environ is None else environ
+    drafts = int(speculative_config(prof.vllm).get("num_speculative_tokens", 0))
     extra = transient.estimate(man.quantized, int(prof.vllm.get("max_num_batched_tokens") or DEFAULT_BATCHED_TOKENS),
-                               decode_once=_decode_once(prof, environ))
-    bud = machine.fit(man, mem, prof, transient_bytes=extra.bytes)
+                               decode_once=_decode_once(prof, environ),
+                               max_logit_rows=int(prof.vllm.get("max_num_seqs", 1)) * (1 + drafts))
+    try:
+        bud = machine.fit(man, mem, prof, transient_bytes=extra.bytes)
+    except errors.BudgetError as exc:
+        if not prof.model.get("by_memory"):
+            raise
+        names = ", ".join(f"{c['repo']}:{c.get('revision', 'main')}" for c in model_choices(prof))
+        raise errors.BudgetError(exc.message, hint=f"{exc.hint}; this profile's models, largest first: {names} "
+                                 "(`exl3local up REPO:REVISION`)") from None
     notes = [f"plugin transients {extra.why}"] if extra.bytes else []
     if device.runtime is not None and device.runtime.error:
         notes.append(f"GPU runtime: {device.runtime.error}")

@@ -256,11 +256,6 @@ def _room(gpu: Any, mem: MemorySnapshot, mp: Any, lines: list[str], device_memor
                 where = device_memory.source if device_memory else "80 % of RAM - 450 MB"
                 lines.append(f"iGPU ceiling ({where}) {format_gib(ceiling)}")
                 room = min(room, ceiling)
-            limit = mem.gpu_pages_limit_bytes
-            if limit is not None and limit < room:
-                lines.append(f"capped by TTM's page limit {format_gib(limit)} (ttm pages_limit: GPU buffers beyond it "
-                             "are swapped out)")
-                room = limit
         return room
     if not gpu.memory_bytes:
         raise BudgetError(
@@ -275,8 +270,11 @@ def _room(gpu: Any, mem: MemorySnapshot, mp: Any, lines: list[str], device_memor
     return room
 
 
-def _does_not_fit(lines: list[str], shortfall: int, fit_ctx: int, profile: Any, shared: bool) -> BudgetError:
+def _does_not_fit(lines: list[str], shortfall: int, fit_ctx: int, profile: Any, shared: bool,
+                  ttm_capped: bool = False) -> BudgetError:
     hints = []
+    if ttm_capped:
+        hints.append("a higher TTM page limit (kernel parameter `ttm.pages_limit=<4 KiB pages>`, e.g. 3/4 of RAM)")
     if fit_ctx >= 256:
         hints.append(f"a shorter context (`--set model.max_model_len={fit_ctx // 256 * 256}`)")
     if profile.vllm.get("kv_cache_dtype", "auto") == "auto":
@@ -289,6 +287,14 @@ def _does_not_fit(lines: list[str], shortfall: int, fit_ctx: int, profile: Any, 
         "the model does not fit: " + "; ".join(lines) + f". Short by {format_gib(shortfall)}.",
         hint="try " + ", or ".join(hints),
     )
+
+
+MIN_KV_BYTES = 512 * 2**20  # the least KV a default model must leave room for when a profile names no proven pin
+
+
+def room(gpu: Any, mem: MemorySnapshot, profile: Any, device_memory: DeviceMemory | None = None) -> int:
+    """What the engine may use at all on this machine under this profile (before weights and overhead)."""
+    return _room(gpu, mem, profile.memory, [], device_memory)
 
 
 UTILIZATION_STEP = 10_000  # --gpu-memory-utilization is passed rounded up to 1/10000
@@ -348,9 +354,16 @@ def compute(gpu: Any, mem: MemorySnapshot, checkpoint: CheckpointLike, profile: 
                   if layout.state_bytes else "")
     lines.append(f"KV per token {per_token} B ({layout.attention_layers} attention layers){state_note};"
                  f" one {ctx}-token sequence needs {format_gib(need_one)}")
+    limit = mem.gpu_pages_limit_bytes if gpu.kind == "integrated" else None
+    ttm_capped = limit is not None and limit - weights - transient_bytes < headroom
+    if ttm_capped:
+        # The iGPU's buffers (weights, transients, KV; not the host-side overhead) count against TTM's page limit.
+        headroom = limit - weights - transient_bytes
+        lines.append(f"TTM page limit {format_gib(limit)} (module ttm pages_limit; GPU buffers beyond it are swapped"
+                     f" out) - weights - transients = KV headroom {format_gib(headroom)}")
     if headroom < need_one:
         fit_ctx = max(headroom - layout.state_bytes // tp, 0) // per_token
-        raise _does_not_fit(lines, need_one - headroom, fit_ctx, profile, gpu.kind in ("integrated", "cpu"))
+        raise _does_not_fit(lines, need_one - headroom, fit_ctx, profile, gpu.kind in ("integrated", "cpu"), ttm_capped)
     kv = headroom
     start = mp.get("kv_start_bytes")
     if start is not None and kv > start:

@@ -6,6 +6,7 @@ disagree."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 from exl3local import env, profiles
 from exl3local.errors import BudgetError
 from exl3local.manifest import text_config
+from exl3local.units import format_gib
 from exl3local.machine import budget, hardware, xpu
 
 RUNTIME_SOURCE = "the GPU runtime in the engine's interpreter (torch.xpu.mem_get_info)"
@@ -121,9 +123,59 @@ def find_device(sysfs_root: Path | None = None, python: str | None = None) -> De
     return Device(tuple(gpus), gpu, reason, hardware.dmi_product(root), mem, runtime, cards)
 
 
+def model_room(gpu: hardware.GpuInfo, mem: budget.MemorySnapshot, profile: profiles.Profile,
+               device_memory: budget.DeviceMemory | None = None) -> int | None:
+    """Bytes left for weights and KV on this machine under this profile (None: unknown): the budget's room
+    minus the engine's overhead, and on an iGPU no more than TTM's page limit allows GPU buffers."""
+    try:
+        room = budget.room(gpu, mem, profile, device_memory) - int(profile.memory["engine_overhead_bytes"])
+    except BudgetError:
+        return None
+    if gpu.integrated and mem.gpu_pages_limit_bytes is not None:
+        room = min(room, mem.gpu_pages_limit_bytes)
+    return room
+
+
+def model_choices(profile: profiles.Profile) -> list[dict]:
+    """The profile's default model first, then its [[model.by_memory]] alternatives."""
+    m = profile.model
+    first = {k: m[k] for k in ("repo", "revision", "served_name", "weight_bytes") if k in m}
+    return [first, *(dict(c) for c in m.get("by_memory", ()))]
+
+
+def by_memory(profile: profiles.Profile, device: Device) -> tuple[profiles.Profile, str | None]:
+    """The profile with the first of its models whose weights and the proven KV pin fit this machine as its
+    default, and why; unchanged when it names no alternatives or its default fits."""
+    if not profile.model.get("by_memory") or "weight_bytes" not in profile.model:
+        return profile, None
+    mem = device.mem or budget.MemorySnapshot.now()
+    room = model_room(device.gpu, mem, profile, device.device_memory)
+    if room is None:
+        return profile, None
+    kv = int(profile.memory.get("kv_start_bytes") or budget.MIN_KV_BYTES)
+    choices = model_choices(profile)
+    fits = next((c for c in choices if int(c["weight_bytes"]) + kv <= room), None)
+    if fits is choices[0]:
+        return profile, None
+    names = ", ".join(f"{c['repo']}:{c.get('revision', 'main')} ({format_gib(int(c['weight_bytes']))})" for c in choices)
+    if fits is None:
+        return profile, (f"none of this profile's models fits {format_gib(room)} for weights and KV here: {names}")
+    swapped = profiles.with_overrides(profile, {
+        "model.repo": json.dumps(fits["repo"]), "model.revision": json.dumps(fits.get("revision", "main")),
+        "model.served_name": json.dumps(fits.get("served_name") or fits["repo"].rsplit("/", 1)[-1].lower()),
+        "model.weight_bytes": str(int(fits["weight_bytes"])),
+    }, source=profile.source)
+    return swapped, (f"default model by memory: {fits['repo']}:{fits.get('revision', 'main')}, the first of {names} "
+                     f"whose weights + a {format_gib(kv)} KV fit the {format_gib(room)} left here")
+
+
 def select(profile_id: str | None = None, overrides: Mapping[str, str] | None = None,
            sysfs_root: Path | None = None, *, device: Device | None = None) -> Selection:
     """The device and profile `up` would use now (`device`: one already found)."""
     device = device or find_device(sysfs_root)
     profile, reason = profiles.select(profile_id, overrides or {}, device.gpu, device.dmi)
+    if not any(k.startswith("model.") for k in (overrides or {})):
+        profile, why = by_memory(profile, device)
+        if why:
+            reason += f"; {why}"
     return Selection(device, profile, reason)

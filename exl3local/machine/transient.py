@@ -25,6 +25,7 @@ MOE_GROUPED_MAX_TOKENS = 128  # plugin.moe.GROUPED_MAX_TOKENS: more tokens rebui
 DENSE_BYTES = 2  # fp16/bf16
 MOE_DENSE_COPIES_BYTES = 3 * 4  # the fp32 decode, the Hadamard product and the scaled result, alive together
 EXPERT_MARK = ".experts."
+HEAD = "lm_head"  # computes logits for the sampled positions only, not for every prompt token
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,18 @@ class Transient:
     why: str  # one line: which layer and which path
 
 
-def estimate(groups: Mapping[str, Any], max_batched_tokens: int, decode_once: bool = False) -> Transient:
-    """groups: manifest.Manifest.quantized (prefix → TensorGroup with size_k, size_n)."""
+def estimate(groups: Mapping[str, Any], max_batched_tokens: int, decode_once: bool = False,
+             max_logit_rows: int = 1) -> Transient:
+    """groups: manifest.Manifest.quantized (prefix → TensorGroup with size_k, size_n). Rows per call: a prefill
+    chunk (max_batched_tokens) for every linear but the head, which only sees the sampled positions
+    (max_logit_rows: sequences x (1 + draft tokens))."""
     linears = {p: g for p, g in groups.items() if EXPERT_MARK not in p}
     experts = {p: g for p, g in groups.items() if EXPERT_MARK in p}
     parts: list[tuple[int, str]] = []
-    if linears and max_batched_tokens > GEMV_MAX_ROWS:
-        prefix, g = max(linears.items(), key=lambda kv: kv[1].size_k * kv[1].size_n)
+    rebuilt = {p: g for p, g in linears.items()
+               if (max_logit_rows if p.rsplit(".", 1)[-1] == HEAD else max_batched_tokens) > GEMV_MAX_ROWS}
+    if rebuilt:
+        prefix, g = max(rebuilt.items(), key=lambda kv: kv[1].size_k * kv[1].size_n)
         parts.append((g.size_k * g.size_n * DENSE_BYTES,
                       f"{prefix} ({g.size_k}x{g.size_n}) rebuilt in fp16 above {GEMV_MAX_ROWS} rows"))
     if experts and max_batched_tokens > MOE_GROUPED_MAX_TOKENS:
@@ -47,8 +53,7 @@ def estimate(groups: Mapping[str, Any], max_batched_tokens: int, decode_once: bo
         parts.append((g.size_k * g.size_n * MOE_DENSE_COPIES_BYTES,
                       f"expert {prefix} ({g.size_k}x{g.size_n}) rebuilt in fp32 above {MOE_GROUPED_MAX_TOKENS} tokens"))
     # The paths run one layer at a time: the largest one is what is held at once.
-    peak = max(parts, default=(0, ""))
-    total, why = peak
+    total, why = max(parts, default=(0, ""))
     if decode_once and linears:
         dense = sum(g.size_k * g.size_n * DENSE_BYTES for g in linears.values())
         total += dense

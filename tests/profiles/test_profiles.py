@@ -23,7 +23,12 @@ def test_bundled_profiles_load_with_their_recipes():
     claw = profiles.load("claw8")
     assert claw.memory["policy"] == "pinned" and claw.vllm["enforce_eager"]
     assert claw.model["repo"].endswith("Qwen3.5-35B-A3B-exl3") and claw.model["revision"] == "3.09bpw"
-    assert claw.vllm["max_num_batched_tokens"] >= 8192
+    # the field run that ended the OOM kills pinned 512 MiB of KV: the claw starts there (issue 20 item 7)
+    assert claw.memory["kv_start_bytes"] == 512 * 2**20 and claw.vllm["max_num_batched_tokens"] <= 4096
+    assert b70.env["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE"  # as the working B70 compose file
+    lnl = profiles.load("140v")
+    assert lnl.model["by_memory"][0]["repo"].startswith("turboderp/Qwen3.5-") and lnl.model["weight_bytes"] > \
+        lnl.model["by_memory"][0]["weight_bytes"]
     assert profiles.load("cpu").model["demo"] is True
 
 
