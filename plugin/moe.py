@@ -19,12 +19,13 @@ of four paths by token count at a single selection point (`select_path`):
 
     T == 1          MOE_DECODE    the token's top-k (token, expert) units, one row each
     1 < T <= 4      MOE_VERIFY    speculative verify: independent M=1 units per token
-    4 < T <= 128    MOE_GROUPED   tokens binned per expert, one grouped GEMM per expert
+    4 < T <= 128    MOE_GROUPED   (token, expert) units (Triton), else tokens binned per expert
     T > 128         MOE_BATCHED   binned on the device (one host sync), dense per-expert matmuls
 
-Decode and verify run as one grouped Triton launch set (kernels/triton_moe.py) where the dispatch chose
-Triton for every projection at load (CUDA/XPU, or forced); otherwise, and for the other two paths, per
-expert through the chosen per-projection kernels. The refusal reason is in the trace flags.
+The math (paths, arenas as stacked experts, bound launches) is kernels/moe_layer.ExpertLayer, built
+once per layer at load; the first three paths run as one grouped Triton launch set per projection
+(kernels/triton_moe.py) where the dispatch chose Triton for every projection (CUDA/XPU, or forced),
+otherwise per expert. The refusal reason is in the trace flags.
 
 There is no unquantized fallback: a path that cannot serve a call raises with the reason.
 """
@@ -42,61 +43,19 @@ from vllm.model_executor.utils import set_weight_attrs
 from exl3local import kernels
 from exl3local.errors import CheckpointError, ConfigError
 from exl3local.kernels import KernelPath, reference
-from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_128
+from exl3local.kernels.moe_layer import (  # noqa: F401 -- the ladder's names, re-exported for the plugin's users
+    GROUPED_MAX_TOKENS, PATHS, TRITON_MOE_PATHS, VERIFY_MAX_TOKENS, ExpertLayer, path_refusal, select_path,
+    triton_moe_refusal,
+)
 from exl3local.manifest import MARKER_VALUES, TensorGroup
 from exl3local.plugin import trace
 from exl3local.plugin.linear import refuse_packed_signs, split_range
 
 TILE = reference.TILE
-# Speculative verify sends at most this many tokens per sequence step; each stays an M=1 unit.
-VERIFY_MAX_TOKENS = 4
-# Above this many tokens each expert sees enough rows (T*top_k/E) for a dense reconstruction to pay
-# for its two weight-side Hadamards. Provisional: bench/moe_paths.py on the shared 2-core CPU was too
-# noisy to place the crossover (bench/moe_paths.py measures it); the GPU kernels must re-measure it.
-GROUPED_MAX_TOKENS = 128
-PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED, KernelPath.MOE_BATCHED)
 # vLLM's shard ids for the three projections: gate and up share the w13 params, down is w2.
 SHARDS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)}
-# The grouped Triton kernel (kernels/triton_moe.py) serves the few-token paths; the rest stay per expert.
-TRITON_MOE_PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY)
 
 logger = logging.getLogger(__name__)
-
-
-def select_path(tokens: int) -> KernelPath:
-    """The one place a path is chosen: by the number of tokens in the call."""
-    if tokens <= 0:
-        raise ValueError(f"an MoE call needs at least one token, got {tokens}")
-    if tokens == 1:
-        return KernelPath.MOE_DECODE
-    if tokens <= VERIFY_MAX_TOKENS:
-        return KernelPath.MOE_VERIFY
-    if tokens <= GROUPED_MAX_TOKENS:
-        return KernelPath.MOE_GROUPED
-    return KernelPath.MOE_BATCHED
-
-
-def path_refusal(path: KernelPath, tokens: int) -> str | None:
-    """Why `path` cannot serve a call of `tokens` tokens, or None."""
-    if path == KernelPath.MOE_DECODE and tokens != 1:
-        return f"{path} serves exactly one token, got {tokens}"
-    if path == KernelPath.MOE_VERIFY and not 1 <= tokens <= VERIFY_MAX_TOKENS:
-        return f"{path} serves 1..{VERIFY_MAX_TOKENS} tokens as independent M=1 units, got {tokens}"
-    if path not in PATHS:
-        return f"{path} is not an MoE path"
-    return None
-
-
-def triton_moe_refusal(chosen: dict[str, kernels.Exl3Kernel], proj: dict[str, Projection]) -> str | None:
-    """Why the grouped Triton MoE kernel cannot serve this layer, or None. It serves only where the
-    dispatch chose Triton for every projection, and reads gate and up as one zero-copy stack
-    (2E, k/16, n/16, w) of the w13 arena, which needs equal bits for both."""
-    for name, kernel in chosen.items():
-        if kernel.backend != "triton":
-            return f"the dispatch chose {type(kernel).__name__} for {name}"
-    if proj["gate"].bits != proj["up"].bits:
-        return f"gate ({proj['gate'].bits:g} bits) and up ({proj['up'].bits:g} bits) differ: no stacked w13 view"
-    return None
 
 
 @dataclass(frozen=True)
@@ -291,101 +250,25 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             kind, name, e = missing[0]
             g = layer.exl3_groups[name]
             raise CheckpointError(g.file, f"{self.prefix}.{e}.{self.ckpt_names[name]}.{kind}", "loaded", f"never loaded ({len(missing)} missing)")
-        device = layer.w13_trellis.device
-        # The ladder accumulates in fp32, so the per-projection kernels are asked for fp32 activations.
-        layer.exl3_kernels = {}
-        for name, p in layer.exl3_proj.items():
-            spec = kernels.KernelSpec(p.size_k, p.size_n, p.bits, p.codebook, torch.float32)
-            layer.exl3_kernels[name] = kernels.prepare(spec, device)
-            trace.note_layer(f"{type(layer.exl3_kernels[name]).__name__} moe")
-        layer.exl3_moe_refusal = triton_moe_refusal(layer.exl3_kernels, layer.exl3_proj)
+        layer.exl3_experts = ExpertLayer(layer.w13_trellis, layer.w13_suh, layer.w13_svh, layer.w2_trellis,
+                                         layer.w2_suh, layer.w2_svh, layer.exl3_proj, layer.top_k)
+        for name, kernel in layer.exl3_experts.kernels.items():
+            trace.note_layer(f"{type(kernel).__name__} moe")
+        layer.exl3_moe_refusal = layer.exl3_experts.refusal
         if layer.exl3_moe_refusal is None:
-            self._bind_grouped(layer)
             trace.note_layer("triton_moe.moe_decode moe")
         else:
             trace.set_flag("moe_decode_refused", layer.exl3_moe_refusal)
             logger.debug("exl3: %s: decode/verify on the per-expert path: %s", self.prefix, layer.exl3_moe_refusal)
 
-    # -- views into the arenas
     @staticmethod
     def trellis(layer: torch.nn.Module, name: str, e: int) -> torch.Tensor:
-        p = layer.exl3_proj[name]
+        """Expert e's trellis of one projection: a view into the layer's arena (where the loader copies to)."""
         if name == "down":
             return layer.w2_trellis[e]
         gate_words = layer.exl3_proj["gate"].words
         flat = layer.w13_trellis[e, :gate_words] if name == "gate" else layer.w13_trellis[e, gate_words:]
-        return flat.view(p.trellis_shape)
-
-    @staticmethod
-    def scales(layer: torch.nn.Module, name: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if name == "down":
-            return layer.w2_suh[e], layer.w2_svh[e]
-        part = 0 if name == "gate" else 1
-        return layer.w13_suh[e, part], layer.w13_svh[e, part]
-
-    def project(self, layer: torch.nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        """x (m, padded k) fp32 through one expert projection, Hadamard-domain form: (m, padded n) fp32."""
-        suh, svh = self.scales(layer, name, e)
-        return layer.exl3_kernels[name].apply(x, self.trellis(layer, name, e), suh, svh)
-
-    def dense(self, layer: torch.nn.Module, name: str, e: int) -> torch.Tensor:
-        """One expert projection reconstructed for this call only: W (padded k, padded n) fp32."""
-        p = layer.exl3_proj[name]
-        suh, svh = self.scales(layer, name, e)
-        w = reference.decode_trellis(self.trellis(layer, name, e), p.bits, p.codebook).float()
-        h = hadamard_128(w.device)
-        blocks_k, blocks_n = p.size_k // HADAMARD_BLOCK, p.size_n // HADAMARD_BLOCK
-        # Both blockwise Hadamards as batched matmuls on views (no transposed copies): Hk·Ŵ, then ·Hn.
-        w = (h @ w.view(blocks_k, HADAMARD_BLOCK, p.size_n)).view(p.size_k, p.size_n) * suh.float()[:, None]
-        w = (w.view(p.size_k, blocks_n, HADAMARD_BLOCK) @ h).view(p.size_k, p.size_n)
-        return w * svh.float()[None, :]
-
-    def expert(self, layer: torch.nn.Module, e: int, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
-        """silu(x·gate) ⊙ (x·up) ·down for rows x (m, padded hidden) fp32 → (m, padded hidden) fp32."""
-        if dense:
-            h = F.silu(x @ self.dense(layer, "gate", e)) * (x @ self.dense(layer, "up", e))
-            return h @ self.dense(layer, "down", e)
-        h = F.silu(self.project(layer, "gate", e, x)) * self.project(layer, "up", e, x)
-        return self.project(layer, "down", e, h)
-
-    @staticmethod
-    def _bind_grouped(layer: torch.nn.Module) -> None:
-        """Both projections' launches bound once, over zero-copy views of the arenas: w13 as 2E experts (row 2e
-        is expert e's gate, 2e+1 its up), w2 as E; workspace sized for the largest verify step up front."""
-        from exl3local.kernels.bound import bind_moe
-
-        gate, down = layer.exl3_proj["gate"], layer.exl3_proj["down"]
-        E = layer.w13_trellis.shape[0]
-        layer.exl3_moe_bound = (
-            bind_moe(layer.w13_trellis.view(2 * E, *gate.trellis_shape), layer.w13_suh.view(2 * E, gate.size_k),
-                     layer.w13_svh.view(2 * E, gate.size_n), gate.bits, gate.codebook),
-            bind_moe(layer.w2_trellis, layer.w2_suh, layer.w2_svh, down.bits, down.codebook),
-        )
-        for bound in layer.exl3_moe_bound:
-            bound.reserve(VERIFY_MAX_TOKENS * 2 * layer.top_k)
-
-    def grouped_units(self, layer, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Decode/verify through triton_moe.moe_decode: every (token, expert) unit at once, ids read on the
-        device (no host sync), launches bound at load time. Returns (T, padded hidden) fp32, weights applied
-        to down's outputs."""
-        from exl3local.kernels.triton_moe import moe_decode
-
-        gate, down = layer.exl3_proj["gate"], layer.exl3_proj["down"]
-        bound13, bound2 = layer.exl3_moe_bound
-        E = layer.w13_trellis.shape[0]
-        tokens, top_k = ids.shape
-        local = ids >= 0  # -1: another rank's expert, contributes nothing
-        ids = torch.where(local, ids, 0)
-        w13 = layer.w13_trellis.view(2 * E, *gate.trellis_shape)
-        suh13 = layer.w13_suh.view(2 * E, gate.size_k)
-        svh13 = layer.w13_svh.view(2 * E, gate.size_n)
-        ids13 = torch.stack((2 * ids, 2 * ids + 1), -1).view(tokens, 2 * top_k)
-        gu = moe_decode(xf, w13, suh13, svh13, gate.bits, gate.codebook, ids13, bound=bound13)
-        gu = gu.view(tokens, top_k, 2, gate.size_n)
-        h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens * top_k, gate.size_n)
-        y = moe_decode(h, layer.w2_trellis, layer.w2_suh, layer.w2_svh, down.bits, down.codebook, ids, bound=bound2)
-        y = y.float() * torch.where(local, weights, 0.0)[..., None]
-        return y.sum(1)
+        return flat.view(layer.exl3_proj[name].trellis_shape)
 
     # -- forward
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None) -> torch.Tensor:
@@ -408,28 +291,5 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         hidden = x.shape[-1]
         pad = layer.exl3_proj["gate"].size_k - hidden
         xf = F.pad(x.float(), (0, pad)) if pad else x.float()
-        weights = topk_weights.float()
-        out = torch.zeros(x.shape[0], layer.exl3_proj["down"].size_n, dtype=torch.float32, device=x.device)
-        if path in TRITON_MOE_PATHS and layer.exl3_moe_refusal is None:
-            out = self.grouped_units(layer, xf, weights, ids)
-        elif path in TRITON_MOE_PATHS:
-            host_ids = ids.tolist()  # the layer's one host sync: the units to run
-            for t, row in enumerate(host_ids):
-                for j, e in enumerate(row):
-                    if e >= 0:
-                        out[t] += weights[t, j] * self.expert(layer, e, xf[t : t + 1])[0]
-        else:
-            flat = ids.flatten()
-            order = torch.argsort(flat, stable=True)  # binned by expert on the device; -1 (remote) first
-            counts = torch.bincount(flat + 1, minlength=layer.w13_trellis.shape[0] + 1).tolist()  # one host sync
-            token_of = order // ids.shape[1]
-            weight_of = weights.flatten()[order]
-            start = counts[0]
-            for e, n in enumerate(counts[1:]):
-                if n == 0:
-                    continue
-                rows = token_of[start : start + n]
-                y = self.expert(layer, e, xf[rows], dense=path == KernelPath.MOE_BATCHED)
-                out.index_add_(0, rows, y * weight_of[start : start + n, None])
-                start += n
+        out = layer.exl3_experts.run(path, xf, topk_weights.float(), ids)
         return out[:, :hidden].to(x.dtype)

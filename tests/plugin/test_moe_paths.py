@@ -237,7 +237,7 @@ def test_triton_moe_refuses_gate_and_up_of_different_bits(experts):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 2, 6])  # decode, verify, grouped: all on the unit kernel
 def test_forced_triton_moe_kernel_matches_the_per_expert_reference_loop(experts, ckpt, monkeypatch, tokens):
     from exl3local.plugin import trace
     from exl3local.plugin.moe import select_path
@@ -255,7 +255,7 @@ def test_forced_triton_moe_kernel_matches_the_per_expert_reference_loop(experts,
         def no_per_expert_loop(*args, **kwargs):
             raise AssertionError("decode/verify went through the per-expert loop")
 
-        monkeypatch.setattr(method, "expert", no_per_expert_loop)
+        monkeypatch.setattr(layer.exl3_experts, "expert", no_per_expert_loop)
         x, weights, ids = routing(tokens, seed=11)
         got = method.run_path(layer, select_path(tokens), x, weights, ids)
     finally:

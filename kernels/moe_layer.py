@@ -1,0 +1,198 @@
+"""The routed experts of one MoE layer as math (no vLLM): the path ladder over stacked EXL3 arenas.
+
+plugin/moe.py owns loading and vLLM's hooks and builds one `ExpertLayer` per layer; bench/model_step.py
+builds the same object on random arenas, so the benchmark times exactly what the plugin runs.
+
+Arenas (per layer, every expert stacked; Hp, Ip: hidden and intermediate padded to 128):
+
+    w13_trellis int16 (E, gate_words + up_words)   per expert: gate (Hp/16, Ip/16, 16*bits), then up
+    w13_suh fp16 (E, 2, Hp)    w13_svh fp16 (E, 2, Ip)
+    w2_trellis  int16 (E, Ip/16, Hp/16, 16*bits)   w2_suh fp16 (E, Ip)   w2_svh fp16 (E, Hp)
+
+Paths by token count (select_path): one token, a speculative verify step (≤ VERIFY_MAX_TOKENS) and the
+grouped path (≤ GROUPED_MAX_TOKENS) run as (token, expert) units in one Triton launch set per projection,
+routing ids read on the device (no host sync, graph-safe) wherever the dispatch chose Triton for every
+projection; above that, tokens are binned per expert (one host sync) and each expert's projections are
+reconstructed densely (the Triton decode where Triton serves, the PyTorch reference elsewhere).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from exl3local.kernels import reference
+from exl3local.kernels.dispatch import Exl3Kernel, KernelPath, KernelSpec, prepare
+from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_128
+
+TILE = reference.TILE
+# Speculative verify sends at most this many tokens per sequence step; each stays an M=1 unit.
+VERIFY_MAX_TOKENS = 4
+# Above this many tokens each expert sees enough rows (T*top_k/E) for a dense reconstruction to pay for its
+# two weight-side Hadamards. Provisional (bench/moe_paths.py was too noisy on the 2-core CPU; the GPU
+# kernels must re-measure it with bench/model_step.py).
+GROUPED_MAX_TOKENS = 128
+PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED, KernelPath.MOE_BATCHED)
+# Paths the grouped (token, expert) unit kernel (kernels/triton_moe.py) serves when Triton serves the layer.
+TRITON_MOE_PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED)
+
+
+def select_path(tokens: int) -> KernelPath:
+    """The one place a path is chosen: by the number of tokens in the call."""
+    if tokens <= 0:
+        raise ValueError(f"an MoE call needs at least one token, got {tokens}")
+    if tokens == 1:
+        return KernelPath.MOE_DECODE
+    if tokens <= VERIFY_MAX_TOKENS:
+        return KernelPath.MOE_VERIFY
+    if tokens <= GROUPED_MAX_TOKENS:
+        return KernelPath.MOE_GROUPED
+    return KernelPath.MOE_BATCHED
+
+
+def path_refusal(path: KernelPath, tokens: int) -> str | None:
+    """Why `path` cannot serve a call of `tokens` tokens, or None."""
+    if path == KernelPath.MOE_DECODE and tokens != 1:
+        return f"{path} serves exactly one token, got {tokens}"
+    if path == KernelPath.MOE_VERIFY and not 1 <= tokens <= VERIFY_MAX_TOKENS:
+        return f"{path} serves 1..{VERIFY_MAX_TOKENS} tokens as independent M=1 units, got {tokens}"
+    if path not in PATHS:
+        return f"{path} is not an MoE path"
+    return None
+
+
+def triton_moe_refusal(chosen: dict[str, Exl3Kernel], proj: dict) -> str | None:
+    """Why the grouped Triton MoE kernel cannot serve this layer, or None. It serves only where the
+    dispatch chose Triton for every projection, and reads gate and up as one zero-copy stack
+    (2E, k/16, n/16, w) of the w13 arena, which needs equal bits for both."""
+    for name, kernel in chosen.items():
+        if kernel.backend != "triton":
+            return f"the dispatch chose {type(kernel).__name__} for {name}"
+    if proj["gate"].bits != proj["up"].bits:
+        return f"gate ({proj['gate'].bits:g} bits) and up ({proj['up'].bits:g} bits) differ: no stacked w13 view"
+    return None
+
+
+class ExpertLayer:
+    """One layer's routed experts over its arenas. `proj` maps gate/up/down to objects with bits, codebook,
+    size_k, size_n, words and trellis_shape (plugin.moe.Projection)."""
+
+    def __init__(self, w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, proj: dict, top_k: int,
+                 backend: str | None = None) -> None:
+        self.w13_trellis, self.w13_suh, self.w13_svh = w13_trellis, w13_suh, w13_svh
+        self.w2_trellis, self.w2_suh, self.w2_svh = w2_trellis, w2_suh, w2_svh
+        self.proj = proj
+        self.top_k = top_k
+        self.experts = w13_trellis.shape[0]
+        device = w13_trellis.device
+        # The ladder accumulates in fp32, so the per-projection kernels are asked for fp32 activations.
+        self.kernels = {name: prepare(KernelSpec(p.size_k, p.size_n, p.bits, p.codebook, torch.float32), device, backend)
+                        for name, p in proj.items()}
+        self.refusal = triton_moe_refusal(self.kernels, proj)
+        self.bound = None
+        if self.refusal is None:
+            self._bind()
+
+    def _bind(self) -> None:
+        """Both projections' launches bound once, over zero-copy views of the arenas: w13 as 2E experts (row 2e
+        is expert e's gate, 2e+1 its up), w2 as E; workspace sized for the largest verify step up front."""
+        from exl3local.kernels.bound import bind_moe
+
+        gate, down = self.proj["gate"], self.proj["down"]
+        E = self.experts
+        self.w13_units = (self.w13_trellis.view(2 * E, *gate.trellis_shape), self.w13_suh.view(2 * E, gate.size_k),
+                          self.w13_svh.view(2 * E, gate.size_n))
+        self.bound = (bind_moe(*self.w13_units, gate.bits, gate.codebook),
+                      bind_moe(self.w2_trellis, self.w2_suh, self.w2_svh, down.bits, down.codebook))
+        for bound in self.bound:
+            bound.reserve(VERIFY_MAX_TOKENS * 2 * self.top_k)
+
+    # -- views into the arenas
+    def trellis(self, name: str, e: int) -> torch.Tensor:
+        if name == "down":
+            return self.w2_trellis[e]
+        gate_words = self.proj["gate"].words
+        flat = self.w13_trellis[e, :gate_words] if name == "gate" else self.w13_trellis[e, gate_words:]
+        return flat.view(self.proj[name].trellis_shape)
+
+    def scales(self, name: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if name == "down":
+            return self.w2_suh[e], self.w2_svh[e]
+        part = 0 if name == "gate" else 1
+        return self.w13_suh[e, part], self.w13_svh[e, part]
+
+    def project(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x (m, padded k) fp32 through one expert projection: (m, padded n) fp32."""
+        suh, svh = self.scales(name, e)
+        return self.kernels[name].apply(x, self.trellis(name, e), suh, svh)
+
+    def dense(self, name: str, e: int) -> torch.Tensor:
+        """One expert projection reconstructed for this call only: W (padded k, padded n) fp32."""
+        p = self.proj[name]
+        suh, svh = self.scales(name, e)
+        if self.kernels[name].backend == "triton":  # never the int64 reference decode on a GPU
+            from exl3local.kernels.triton_decode import decode_dense
+
+            w = decode_dense(self.trellis(name, e), p.bits, p.codebook).float()
+        else:
+            w = reference.decode_trellis(self.trellis(name, e), p.bits, p.codebook).float()
+        h = hadamard_128(w.device)
+        blocks_k, blocks_n = p.size_k // HADAMARD_BLOCK, p.size_n // HADAMARD_BLOCK
+        # Both blockwise Hadamards as batched matmuls on views (no transposed copies): Hk·Ŵ, then ·Hn.
+        w = (h @ w.view(blocks_k, HADAMARD_BLOCK, p.size_n)).view(p.size_k, p.size_n) * suh.float()[:, None]
+        w = (w.view(p.size_k, blocks_n, HADAMARD_BLOCK) @ h).view(p.size_k, p.size_n)
+        return w * svh.float()[None, :]
+
+    def expert(self, e: int, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        """silu(x·gate) ⊙ (x·up) ·down for rows x (m, padded hidden) fp32 → (m, padded hidden) fp32."""
+        if dense:
+            h = F.silu(x @ self.dense("gate", e)) * (x @ self.dense("up", e))
+            return h @ self.dense("down", e)
+        h = F.silu(self.project("gate", e, x)) * self.project("up", e, x)
+        return self.project("down", e, h)
+
+    def grouped_units(self, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every (token, expert) unit at once through triton_moe.moe_decode, ids read on the device (no host
+        sync), launches bound at load time. Returns (T, padded hidden) fp32, weights applied to down's outputs."""
+        from exl3local.kernels.triton_moe import moe_decode
+
+        gate, down = self.proj["gate"], self.proj["down"]
+        bound13, bound2 = self.bound
+        tokens, top_k = ids.shape
+        local = ids >= 0  # -1: another rank's expert, contributes nothing
+        ids = torch.where(local, ids, 0)
+        ids13 = torch.stack((2 * ids, 2 * ids + 1), -1).view(tokens, 2 * top_k)
+        gu = moe_decode(xf, *self.w13_units, gate.bits, gate.codebook, ids13, bound=bound13)
+        gu = gu.view(tokens, top_k, 2, gate.size_n)
+        h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens * top_k, gate.size_n)
+        y = moe_decode(h, self.w2_trellis, self.w2_suh, self.w2_svh, down.bits, down.codebook, ids, bound=bound2)
+        y = y.float() * torch.where(local, weights, 0.0)[..., None]
+        return y.sum(1)
+
+    def run(self, path: KernelPath, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed sum (T, padded hidden) fp32 for padded fp32 input rows xf, fp32 routing weights and local
+        expert ids (-1: another rank's) through `path` (already checked with path_refusal)."""
+        if path in TRITON_MOE_PATHS and self.refusal is None:
+            return self.grouped_units(xf, weights, ids)
+        out = torch.zeros(xf.shape[0], self.proj["down"].size_n, dtype=torch.float32, device=xf.device)
+        if path in (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY):
+            host_ids = ids.tolist()  # the layer's one host sync: the units to run
+            for t, row in enumerate(host_ids):
+                for j, e in enumerate(row):
+                    if e >= 0:
+                        out[t] += weights[t, j] * self.expert(e, xf[t : t + 1])[0]
+            return out
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # binned by expert on the device; -1 (remote) first
+        counts = torch.bincount(flat + 1, minlength=self.experts + 1).tolist()  # one host sync
+        token_of = order // ids.shape[1]
+        weight_of = weights.flatten()[order]
+        start = counts[0]
+        for e, n in enumerate(counts[1:]):
+            if n == 0:
+                continue
+            rows = token_of[start : start + n]
+            y = self.expert(e, xf[rows], dense=path == KernelPath.MOE_BATCHED)
+            out.index_add_(0, rows, y * weight_of[start : start + n, None])
+            start += n
+        return out
