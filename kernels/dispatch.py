@@ -27,7 +27,7 @@ from exl3local.kernels import reference
 from exl3local.kernels.codebook import CODEBOOKS
 from exl3local.kernels.hadamard import HADAMARD_BLOCK
 
-BACKENDS = ("triton", "reference")
+BACKENDS = ("triton", "cpu", "reference")
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -40,6 +40,8 @@ class KernelPath(enum.StrEnum):
     MOE_VERIFY = "moe_verify"  # a few tokens (speculative verify) through the grouped kernel
     MOE_GROUPED = "moe_grouped"  # tokens sorted by expert, per-expert GEMM tiles
     MOE_BATCHED = "moe_batched"  # per-expert loop over dense reconstructions (large batches)
+    CPU_GEMV = "cpu_gemv"  # kernels/cpu: one pass over the trellis, decoded in vector registers (few rows)
+    CPU_GEMM = "cpu_gemm"  # kernels/cpu: decode a strip of columns once, then torch's BLAS (prefill)
     REFERENCE = "reference"  # kernels/reference.py: the spec, slow, any device
 
 
@@ -204,12 +206,53 @@ class TritonLinearKernel(Exl3Kernel):
         return launch
 
 
-# Per device type, best first. On CPU the interpreter exists for correctness tests only and the
-# reference is far faster, so the reference goes first there (the Triton kernel is forced by backend=).
+class CpuLinearKernel(Exl3Kernel):
+    """kernels/cpu: the C++ library (AVX-512 or portable tier), bound per layer tensor set on first use."""
+
+    backend = "cpu"
+
+    def __init__(self, spec: KernelSpec, device: DeviceInfo) -> None:
+        super().__init__(spec, device)
+        self.bound: dict[tuple, object] = {}
+
+    @classmethod
+    def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
+        why = spec_refusal(spec)
+        if why is not None:
+            return why
+        if device.backend != "cpu":
+            return f"runs on CPU tensors only, not {device.backend!r}"
+        from exl3local.kernels.cpu import ops
+
+        return ops.refusal()
+
+    def path_for(self, rows: int) -> KernelPath:
+        from exl3local.kernels.cpu import ops
+
+        return KernelPath.CPU_GEMV if rows <= ops.GEMV_MAX_ROWS else KernelPath.CPU_GEMM
+
+    def apply(self, x, trellis, suh, svh, bias=None):
+        if x.shape[-1] != self.spec.size_k:
+            raise ValueError(f"x has {x.shape[-1]} input features, the layer expects {self.spec.size_k}")
+        key = tuple((t.data_ptr(), t.shape) for t in (trellis, suh, svh))
+        bound = self.bound.get(key)
+        if bound is None:
+            from exl3local.kernels.cpu import ops
+
+            # Holds the trellis (the key's address stays its own) and fp32 copies of suh/svh.
+            bound = self.bound[key] = ops.CpuLinear(trellis, suh, svh, self.spec.bits, self.spec.codebook)
+        y = bound(x.reshape(-1, self.spec.size_k))
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.spec.size_n)
+
+
+# Per device type, best first. On CPU the C++ kernel goes first; without it (no compiler) the reference,
+# which beats Triton's interpreter (that exists for correctness tests only: forced by backend=).
 CANDIDATES: dict[str, tuple[type[Exl3Kernel], ...]] = {
     "cuda": (TritonLinearKernel, TorchReferenceKernel),
     "xpu": (TritonLinearKernel, TorchReferenceKernel),
-    "cpu": (TorchReferenceKernel, TritonLinearKernel),
+    "cpu": (CpuLinearKernel, TorchReferenceKernel, TritonLinearKernel),
 }
 
 
@@ -223,11 +266,12 @@ def choose_kernel(
     device: DeviceInfo,
     disabled: frozenset[str] | set[str] = frozenset(),
     backend: str | None = None,
+    verify: torch.device | None = None,
 ) -> type[Exl3Kernel]:
     """The first candidate for `device` that accepts `spec`; NoKernelError lists every refusal.
 
     `disabled` holds class names to skip (defaults come from EXL3LOCAL_DISABLED_KERNELS via `prepare`);
-    `backend` ("triton" | "reference") keeps only that backend's kernels.
+    `backend` ("triton" | "cpu" | "reference") keeps only that backend's kernels.
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
@@ -239,6 +283,12 @@ def choose_kernel(
             why = f"backend {backend!r} requested"
         else:
             why = kernel.refuse(spec, device)
+            if why is None and verify is not None:
+                # Fail closed: a kernel that does not compile or match the reference on this device is not
+                # used; the next candidate serves (kernels/selftest.py, once per kernel, rate and device).
+                from exl3local.kernels import selftest
+
+                why = selftest.refusal(kernel, spec.bits, spec.codebook, verify)
         if why is None:
             return kernel
         reasons.append(f"{kernel.__name__}: {why}")
@@ -253,9 +303,11 @@ def disabled_kernels() -> frozenset[str]:
 def prepare(
     spec: KernelSpec, device: torch.device | str | DeviceInfo, backend: str | None = None
 ) -> Exl3Kernel:
-    """Choose once per layer and return the kernel instance that serves it."""
+    """Choose once per layer and return the kernel instance that serves it. Given a torch device, each candidate
+    is self-tested there before it is chosen (kernels/selftest.py; EXL3LOCAL_KERNEL_SELFTEST)."""
     info = device if isinstance(device, DeviceInfo) else DeviceInfo.of(device)
-    return choose_kernel(spec, info, disabled_kernels(), backend)(spec, info)
+    verify = None if isinstance(device, DeviceInfo) else torch.device(device)
+    return choose_kernel(spec, info, disabled_kernels(), backend, verify)(spec, info)
 
 
 def spec_of(

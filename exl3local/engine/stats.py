@@ -30,10 +30,12 @@ KNOWN_PATHS = (
     "moe_verify",
     "moe_grouped",
     "moe_batched",
+    "cpu_gemv",
+    "cpu_gemm",
     "reference",
 )
-# Reaching the reference decoder on a GPU means no fast kernel accepted those layers. On the CPU it is
-# the first choice (kernels.dispatch.CANDIDATES["cpu"]), so there it is not a fallback.
+# Reaching the reference decoder on a GPU means no fast kernel accepted those layers. On the CPU it serves
+# where the C++ kernel cannot be built (kernels.dispatch.CANDIDATES["cpu"]), so there it is not painted red.
 FALLBACK_PATHS = frozenset({"reference"})
 
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}

@@ -7,7 +7,7 @@ import torch
 
 from exl3local.errors import NoKernelError
 from exl3local.kernels import KernelPath, KernelSpec, choose_kernel, linear, prepare, reference
-from exl3local.kernels.dispatch import DeviceInfo, TorchReferenceKernel, TritonLinearKernel
+from exl3local.kernels.dispatch import CpuLinearKernel, DeviceInfo, TorchReferenceKernel, TritonLinearKernel
 
 CPU = DeviceInfo("cpu", triton_interpret=False)
 CUDA = DeviceInfo("cuda")
@@ -22,9 +22,11 @@ def _layer(size_k=128, size_n=256, bits=3, codebook="3inst", seed=0):
     return trellis, suh, svh
 
 
-def test_cpu_without_interpreter_chooses_reference():
+def test_cpu_chooses_the_cpu_kernel_then_the_reference():
     spec = KernelSpec(128, 256, 4, "mul1")
-    assert choose_kernel(spec, CPU) is TorchReferenceKernel
+    assert choose_kernel(spec, CPU) is CpuLinearKernel
+    assert choose_kernel(spec, CPU, disabled={"CpuLinearKernel"}) is TorchReferenceKernel
+    assert CpuLinearKernel.refuse(spec, CUDA) == "runs on CPU tensors only, not 'cuda'"
 
 
 def test_forced_triton_on_plain_cpu_lists_every_refusal():
@@ -32,7 +34,7 @@ def test_forced_triton_on_plain_cpu_lists_every_refusal():
     with pytest.raises(NoKernelError) as info:
         choose_kernel(spec, CPU, backend="triton")
     reasons = info.value.reasons
-    assert len(reasons) == 2
+    assert len(reasons) == 3
     assert any(r.startswith("TorchReferenceKernel: backend 'triton'") for r in reasons)
     assert any(r.startswith("TritonLinearKernel:") and "TRITON_INTERPRET" in r for r in reasons)
     assert "EXL3 128x256 bits=4 mul1" in str(info.value)
@@ -41,7 +43,7 @@ def test_forced_triton_on_plain_cpu_lists_every_refusal():
 def test_disabled_kernel_falls_through_then_refuses():
     spec = KernelSpec(128, 256, 4, "mul1")
     with pytest.raises(NoKernelError) as info:
-        choose_kernel(spec, CPU, disabled={"TorchReferenceKernel"})
+        choose_kernel(spec, CPU, disabled={"CpuLinearKernel", "TorchReferenceKernel"})
     assert "TorchReferenceKernel: disabled" in info.value.reasons
 
 
@@ -57,7 +59,7 @@ def test_format_violations_are_refused_by_every_kernel():
 
 
 def test_env_disables_kernels(monkeypatch):
-    monkeypatch.setenv("EXL3LOCAL_DISABLED_KERNELS", "TorchReferenceKernel, Other")
+    monkeypatch.setenv("EXL3LOCAL_DISABLED_KERNELS", "CpuLinearKernel, TorchReferenceKernel, Other")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(NoKernelError):
         prepare(KernelSpec(128, 256, 4, "mul1"), "cpu")
@@ -74,16 +76,18 @@ def test_reference_kernel_serves_linear_with_bias():
     trellis, suh, svh = _layer()
     x = torch.randn(3, 128)
     bias = torch.randn(256)
-    kernel = prepare(KernelSpec(128, 256, 3, "3inst", torch.float32, has_bias=True), "cpu")
+    kernel = prepare(KernelSpec(128, 256, 3, "3inst", torch.float32, has_bias=True), "cpu", backend="reference")
     assert kernel.path_for(3) is KernelPath.REFERENCE
     expected = reference.linear(x, trellis, suh, svh, 3, "3inst", bias)
     assert torch.equal(kernel.apply(x, trellis, suh, svh, bias), expected)
-    assert torch.equal(linear(x, trellis, suh, svh, 3, "3inst", bias), expected)
+    # The default CPU choice is the C++ kernel: same math, another summation order.
+    torch.testing.assert_close(linear(x, trellis, suh, svh, 3, "3inst", bias), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(linear(x, trellis, suh, svh, 3, "3inst", bias, backend="reference"), expected)
 
 
 def test_kernel_path_is_closed_and_named():
     assert {p.value for p in KernelPath} == {
-        "gemv", "reconstruct_gemm", "moe_decode", "moe_verify", "moe_grouped", "moe_batched", "reference"
+        "gemv", "reconstruct_gemm", "moe_decode", "moe_verify", "moe_grouped", "moe_batched", "cpu_gemv", "cpu_gemm",
+        "reference",
     }
     assert TritonLinearKernel.backend == "triton"

@@ -1,0 +1,127 @@
+"""Build the CPU EXL3 library: one shared object per ISA tier, compiled from exl3_cpu.cpp with the system C++
+compiler (g++/c++, or $CXX). scripts/setup runs `python -P -m exl3local.kernels.cpu.build`; the loader
+(kernels/cpu/ops.py) builds on first use when the file is missing, and without a compiler the dispatch falls
+back to the reference decoder with the reason.
+
+A library's file name carries a hash of the source and flags, so an edited source is never served stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("exl3_cpu.cpp")
+COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
+# Per tier: the flags, and the /proc/cpuinfo flags the machine needs to run it.
+TIERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # vpshldvd (VBMI2) extracts states, vpdpbusd (VNNI) sums mul1's bytes, F16C rounds through fp16.
+    "avx512": (
+        ("-DEXL3_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi2",
+         "-mavx512vnni", "-mfma", "-mf16c"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vbmi2", "avx512_vnni", "fma", "f16c"),
+    ),
+    # AVX2 laptops (Lunar Lake, most others): the codebook table path, auto-vectorized.
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    "portable": ((), ()),
+}
+
+
+class BuildError(RuntimeError):
+    """The library could not be built (no compiler, or it failed); the message says which and why."""
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def best_tier(flags: frozenset[str] | None = None) -> str:
+    """The fastest tier this CPU runs (x86-64 only; other CPUs get the portable tier)."""
+    flags = cpu_flags() if flags is None else flags
+    for tier, (_, needs) in TIERS.items():
+        if all(f in flags for f in needs):
+            return tier
+    return "portable"
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def library_name(tier: str) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMMON_FLAGS + TIERS[tier][0]).encode()).hexdigest()[:12]
+    return f"libexl3cpu-{tier}-{digest}.so"
+
+
+def build_dirs() -> list[Path]:
+    """Where libraries live, first choice first: beside the source (a checkout), else the user cache."""
+    from exl3local import paths
+
+    return [SOURCE.parent / "_build", paths.cache_dir() / "cpu-kernels"]
+
+
+def find(tier: str) -> Path | None:
+    name = library_name(tier)
+    for d in build_dirs():
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def build(tier: str) -> Path:
+    """Compile `tier` into the first writable build dir (atomically: concurrent builders are harmless)."""
+    existing = find(tier)
+    if existing is not None:
+        return existing
+    cxx = compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler found (g++, c++, clang++ or $CXX); install one and run scripts/setup")
+    errors = []
+    for d in build_dirs():
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so.partial", dir=d)
+            os.close(fd)
+        except OSError as exc:
+            errors.append(f"{d}: {exc}")
+            continue
+        cmd = [cxx, *COMMON_FLAGS, *TIERS[tier][0], str(SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise BuildError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+        target = d / library_name(tier)
+        os.replace(tmp, target)
+        return target
+    raise BuildError("no writable build directory: " + "; ".join(errors))
+
+
+def main(argv: list[str]) -> int:
+    tier = argv[0] if argv else best_tier()
+    try:
+        path = build(tier)
+    except BuildError as exc:
+        print(f"exl3 CPU kernel: not built ({exc}); EXL3 layers on the CPU will use the slow reference decoder",
+              file=sys.stderr)
+        return 0  # never fail an install over it: the dispatch falls back and says why
+    print(f"exl3 CPU kernel: {tier} tier at {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

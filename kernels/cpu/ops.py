@@ -1,0 +1,135 @@
+"""The CPU EXL3 library through ctypes: loading (building on first use if needed) and the two paths.
+
+    lin = CpuLinear(trellis, suh, svh, bits, codebook)   # once per layer part
+    y = lin(x2d)                                          # (m, k) -> (m, n) fp32; path_for(m) says which path
+
+GEMV (m <= GEMV_MAX_ROWS): one pass over the trellis, Ŵ decoded in registers, both Hadamard transforms in
+the library. GEMM (more rows): Ŵ decoded once per strip of columns into fp32, multiplied by torch's BLAS.
+Both use torch's intra-op thread count (the engine's threads) and, since the library links the same
+OpenMP runtime torch loaded (libgomp.so.1), the same worker threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import torch
+
+from exl3local.kernels.codebook import CODEBOOKS, lut
+from exl3local.kernels.cpu import build
+
+# Rows up to which the one-pass GEMV beats decode-strip + BLAS here (bench/cpu_decode.py measures it:
+# docs/PERF.md, CPU section).
+GEMV_MAX_ROWS = 8
+# fp32 elements of one decoded strip (8 MiB): large enough for an efficient GEMM, small beside the weights.
+STRIP_ELEMENTS = 2 << 20
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL] = {}
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_SIGNATURES = {
+    "exl3_cpu_tier": ((), _I),
+    "exl3_cpu_gemv": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I), None),
+    "exl3_cpu_decode": ((_P, _I, _I, _I, _I, _P, _I, _I, _P, _I), None),
+    "exl3_cpu_output_transform": ((_P, _P, _P, _I, _I, _I), None),
+    "exl3_cpu_input_transform": ((_P, _P, _P, _I, _I, _I), None),
+}
+
+
+def library(tier: str | None = None) -> ctypes.CDLL:
+    """The loaded library of `tier` (default: the best this CPU runs), built first if missing.
+    Raises build.BuildError saying why it cannot be had."""
+    tier = tier or build.best_tier()
+    with _lock:
+        lib = _loaded.get(tier)
+        if lib is None:
+            path = build.build(tier)
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as exc:
+                raise build.BuildError(f"{path} does not load: {exc}") from exc
+            for name, (args, res) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, res
+            _loaded[tier] = lib
+    return lib
+
+
+@functools.cache
+def refusal() -> str | None:
+    """Why the CPU kernel cannot run in this process (cached), or None."""
+    try:
+        library()
+    except build.BuildError as exc:
+        return str(exc)
+    return None
+
+
+def _bits2(bits: float) -> int:
+    return int(round(2 * bits))
+
+
+class CpuLinear:
+    """One EXL3 projection bound to the library: trellis (k/16, n/16, w) int16, suh (k,), svh (n,)."""
+
+    def __init__(self, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str,
+                 tier: str | None = None) -> None:
+        if not trellis.is_contiguous():
+            raise ValueError("the CPU kernel reads the trellis as stored: it must be contiguous")
+        self.lib = library(tier)
+        self.trellis = trellis
+        self.tiles_k, self.tiles_n = trellis.shape[0], trellis.shape[1]
+        self.size_k, self.size_n = 16 * self.tiles_k, 16 * self.tiles_n
+        self.bits2 = _bits2(bits)
+        self.codebook = CODEBOOKS.index(codebook)
+        self.suh = suh.float().contiguous()
+        self.svh = svh.float().contiguous()
+        # The portable tiers decode through the codebook table (exact: every entry is an fp16 value).
+        self.lut = lut(codebook).float() if self.lib.exl3_cpu_tier() == 0 else None
+        self.lut_ptr = self.lut.data_ptr() if self.lut is not None else None
+
+    def path_for(self, rows: int) -> str:
+        return "gemv" if rows <= GEMV_MAX_ROWS else "gemm"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (m, k) -> y (m, n), fp32."""
+        x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
+        m = x.shape[0]
+        threads = torch.get_num_threads()
+        y = torch.empty(m, self.size_n, dtype=torch.float32)
+        if m == 0:
+            return y
+        u = torch.empty(m, self.size_k, dtype=torch.float32)
+        if m <= GEMV_MAX_ROWS:
+            self.lib.exl3_cpu_gemv(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
+                                   self.lut_ptr, x.data_ptr(), self.suh.data_ptr(), self.svh.data_ptr(), u.data_ptr(),
+                                   y.data_ptr(), m, threads)
+            return y
+        self.lib.exl3_cpu_input_transform(x.data_ptr(), self.suh.data_ptr(), u.data_ptr(), m, self.size_k, threads)
+        strip_tiles = max(8, (STRIP_ELEMENTS // self.size_k) // 128 * 8)
+        strip = torch.empty(self.size_k * min(self.size_n, 16 * strip_tiles), dtype=torch.float32)
+        for tn0 in range(0, self.tiles_n, strip_tiles):
+            tn1 = min(self.tiles_n, tn0 + strip_tiles)
+            w = strip[: self.size_k * 16 * (tn1 - tn0)].view(self.size_k, 16 * (tn1 - tn0))
+            self.decode_into(w, tn0, tn1, threads)
+            if tn1 - tn0 == self.tiles_n:
+                torch.mm(u, w, out=y)
+            else:
+                y[:, 16 * tn0 : 16 * tn1] = torch.mm(u, w)
+        self.lib.exl3_cpu_output_transform(y.data_ptr(), self.svh.data_ptr(), y.data_ptr(), m, self.size_n, threads)
+        return y
+
+    def decode_into(self, out: torch.Tensor, tn0: int, tn1: int, threads: int | None = None) -> None:
+        """Ŵ[:, 16*tn0 : 16*tn1] into `out` (k, 16*(tn1-tn0)) fp32, contiguous."""
+        self.lib.exl3_cpu_decode(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
+                                 self.lut_ptr, tn0, tn1, out.data_ptr(), threads or torch.get_num_threads())
+
+    def decode(self) -> torch.Tensor:
+        """The whole Ŵ (k, n) fp32 (tests and the self-test)."""
+        out = torch.empty(self.size_k, self.size_n, dtype=torch.float32)
+        self.decode_into(out, 0, self.tiles_n)
+        return out

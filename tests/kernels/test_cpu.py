@@ -1,0 +1,90 @@
+"""The CPU EXL3 kernel (kernels/cpu): Ŵ bit-exact with the reference for every codebook and rate on every ISA tier
+this machine runs, outputs of both paths within fp32 tolerance of the reference, and the fallback when the
+library cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3local.kernels import KernelPath, KernelSpec, choose_kernel, prepare, reference
+from exl3local.kernels.cpu import build, ops
+from exl3local.kernels.dispatch import CpuLinearKernel, DeviceInfo, TorchReferenceKernel
+
+RATES = [(cb, bits) for cb in ("3inst", "mcg", "mul1") for bits in (1, 2, 3, 4, 5, 6, 7, 8)]
+RATES += [("mul1", bits) for bits in (1.5, 2.5, 3.5)]
+# The best tier here and the portable one (the avx2 tier is the portable source with other compiler flags).
+TIERS = sorted({build.best_tier(), "portable"})
+
+
+def _layer(size_k, size_n, bits, codebook, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    trellis = torch.randint(-32768, 32768, (size_k // 16, size_n // 16, reference.words_per_tile(bits)),
+                            generator=g, dtype=torch.int16)
+    suh = (torch.randn(size_k, generator=g) * 0.1).half()
+    svh = (torch.randn(size_n, generator=g) * 0.1).half()
+    return trellis, suh, svh
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("codebook,bits", RATES)
+def test_decode_is_bit_exact(tier, codebook, bits):
+    trellis, suh, svh = _layer(256, 384, bits, codebook, seed=int(2 * bits))
+    got = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier).decode()
+    expected = reference.decode_trellis(trellis, bits, codebook).float()
+    assert torch.equal(got, expected), f"{(got != expected).sum().item()} weights differ"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3), ("mcg", 8), ("mul1", 2.5)])
+@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1])
+def test_both_paths_match_the_reference(tier, codebook, bits, rows):
+    trellis, suh, svh = _layer(384, 256, bits, codebook, seed=rows)
+    lin = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier)
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(1))
+    expected = x.double() @ reference.reconstruct(trellis, suh, svh, bits, codebook).double()
+    got = lin(x)
+    assert lin.path_for(rows) == ("gemv" if rows <= ops.GEMV_MAX_ROWS else "gemm")
+    # fp32 accumulation over k = 384 terms vs an fp64 product with the fp16-rounded W: W's rounding dominates.
+    torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
+    torch.testing.assert_close(got, reference.linear(x, trellis, suh, svh, bits, codebook), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_through_dispatch_handles_dtype_lead_dims_bias_and_strides():
+    trellis, suh, svh = _layer(256, 128, 4, "mul1")
+    kernel = prepare(KernelSpec(256, 128, 4, "mul1", torch.bfloat16, has_bias=True), "cpu")
+    assert isinstance(kernel, CpuLinearKernel)
+    assert kernel.path_for(1) is KernelPath.CPU_GEMV and kernel.path_for(64) is KernelPath.CPU_GEMM
+    wide = torch.randn(2, 3, 512).bfloat16()
+    x = wide[..., ::2]  # not contiguous
+    bias = torch.randn(128).half()
+    got = kernel.apply(x, trellis, suh, svh, bias)
+    assert got.shape == (2, 3, 128) and got.dtype == torch.bfloat16
+    expected = reference.linear(x, trellis, suh, svh, 4, "mul1", bias)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    assert len(kernel.bound) == 1  # bound once per tensor set
+    kernel.apply(x, trellis, suh, svh, bias)
+    assert len(kernel.bound) == 1
+
+
+def test_no_compiler_is_a_reason_not_a_failure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(build, "build_dirs", lambda: [tmp_path])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(build.BuildError, match="no C.. compiler"):
+        build.build("portable")
+    assert build.main(["portable"]) == 0  # scripts/setup goes on
+    assert "slow reference decoder" in capsys.readouterr().err
+
+
+def test_dispatch_falls_back_to_the_reference_when_the_library_is_missing(monkeypatch):
+    monkeypatch.setattr(ops, "refusal", lambda: "no C++ compiler found")
+    spec = KernelSpec(128, 256, 4, "mul1")
+    assert choose_kernel(spec, DeviceInfo("cpu")) is TorchReferenceKernel
+    assert CpuLinearKernel.refuse(spec, DeviceInfo("cpu")) == "no C++ compiler found"
+
+
+def test_tier_choice_follows_cpu_flags():
+    assert build.best_tier(frozenset(build.TIERS["avx512"][1])) == "avx512"
+    assert build.best_tier(frozenset({"avx2", "fma", "f16c", "avx512f"})) == "avx2"
+    assert build.best_tier(frozenset()) == "portable"
