@@ -111,7 +111,7 @@ def _keeps_current_model(req: UpRequest) -> bool:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     if args.dry_run:  # starts nothing, downloads nothing: commands/machine.py prints the plan
-        from exl3local.commands.machine import dry_run  # lazy: the dry run's printing lives with doctor and profile
+        from exl3local.commands.dry_run import dry_run  # lazy: loads the daemon's planning code only when asked
 
         return dry_run(args)
     req = UpRequest(model=_resolve_model_arg(args.model), profile=args.profile, port=args.port,

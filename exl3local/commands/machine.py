@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +14,8 @@ from rich.console import Console
 
 from exl3local import env, manifest, paths, profiles
 from exl3local.api.client import DaemonClient
-from exl3local.api.protocol import ENGINE_ALIVE, UpRequest
-from exl3local.daemon.plan import ENGINE_HOST, plan, port_free
+from exl3local.api.protocol import ENGINE_ALIVE
+from exl3local.daemon.plan import ENGINE_HOST, plugin_transients, port_free
 from exl3local.engine import apikey, model_fit
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
 from exl3local.machine import hardware
@@ -167,6 +166,44 @@ def _check_gpu(device, check) -> None:
               f"{gpu.driver or 'none'} bound (default for this device: {wanted})")
 
 
+def _check_xpu(device, check) -> None:
+    """What the engine's interpreter sees of the Intel GPUs: name, XMX, Xe cores, memory, driver; and whether
+    /dev/dri/by-path exists (older vLLM XPU images' oneCCL looks GPUs up there)."""
+    if device.gpu.vendor != "intel" or device.runtime is None:
+        return
+    rt = device.runtime
+    if not rt.devices:
+        check("xpu", False, f"the engine's interpreter sees no Intel GPU ({rt.error}): install PyTorch for XPU "
+              "there (docs/arc.md §4.1), and the Level Zero runtime (intel-level-zero-gpu / level-zero)")
+    for d in rt.devices:
+        xmx = {True: "XMX yes", False: "no XMX (Triton emits no DPAS: correct, slower)", None: "XMX unknown"}[d.xmx]
+        pci = f"8086:{d.device_id:04x}" if d.device_id is not None else "PCI id ?"
+        free = f", {format_bytes(d.free_bytes)} free" if d.free_bytes is not None else ""
+        check("xpu", True if d.xmx else None, f"[{d.index}] {d.name} ({pci}): {xmx}, {d.xe_cores or '?'} Xe cores, "
+              f"{format_bytes(d.total_bytes)} total{free}, driver {d.driver or '?'} (torch {rt.torch})")
+    if rt.devices and device.affinity is None:
+        check("xpu", None, "Level Zero does not list the Intel GPUs sysfs shows one for one: the engine's device index "
+              "falls back to counting sysfs; set ZE_AFFINITY_MASK yourself if it picks the wrong GPU")
+    by_path = Path("/dev/dri/by-path")
+    check("by-path", True if by_path.is_dir() else None, f"{by_path} is visible" if by_path.is_dir() else
+          f"{by_path} is missing: older vLLM XPU images' oneCCL needs it (in a container: "
+          "-v /dev/dri/by-path:/dev/dri/by-path)")
+
+
+def _check_ttm(device, bud, overhead: int, check) -> None:
+    """An iGPU's buffers count against TTM's page limit (half of RAM by default): beyond it they are swapped out."""
+    limit = device.mem.gpu_pages_limit_bytes if device.mem else None
+    if not device.gpu.integrated or limit is None or not device.gpu.memory_bytes:
+        return
+    gpu_bytes = bud.engine_bytes - overhead
+    if limit >= device.gpu.memory_bytes:
+        check("ttm", True, f"TTM page limit {format_bytes(limit)} covers the iGPU's {format_bytes(device.gpu.memory_bytes)}")
+        return
+    check("ttm", None, f"TTM page limit {format_bytes(limit)} is below the iGPU's {format_bytes(device.gpu.memory_bytes)}: "
+          f"the budget keeps the engine's GPU buffers ({format_bytes(gpu_bytes)}) under it; for more, boot with "
+          f"ttm.pages_limit={device.gpu.memory_bytes // 4096} (4 KiB pages)")
+
+
 def _check_daemon_and_port(check) -> None:
     """Whether the daemon runs, and who holds the engine port (our own engine is fine)."""
     port = int(env.ENGINE_PORT.get())
@@ -216,9 +253,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         mark = {True: "ok  ", False: "FAIL", None: "warn"}[ok]
         print(f"[{mark}] {name:<12} {detail}", flush=True)
 
-    device = find_device()
-    _check_gpu(device, check)
     python = env.ENGINE_PYTHON.get() or sys.executable
+    device = find_device(python=python)
+    _check_gpu(device, check)
+    _check_xpu(device, check)
     if not args.quick:
         with console.status(f"importing vLLM and the exl3 plugin in {python} (about 10 s; --quick skips it)"):
             check("engine", *_check_engine(python))
@@ -228,9 +266,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         model_dir, label = store.resolve(args.model, False, machine.profile)
         man = manifest.read(model_dir)
         fitted = model_fit.fit(machine.profile, man, torchvision_missing=model_fit.torchvision_missing(python))
-        bud = machine.fit(man, profile=fitted.profile)
+        extra = plugin_transients(man, fitted.profile, os.environ)
+        bud = machine.fit(man, profile=fitted.profile, transient_bytes=extra.bytes)
+        util = f", --gpu-memory-utilization {bud.gpu_memory_utilization}" if bud.gpu_memory_utilization else ""
         check("memory", True, f"{label} fits: KV {format_bytes(bud.kv_budget_bytes)} = {bud.kv_budget_tokens} tokens "
-              f"({'pinned' if bud.pinned else 'estimate'})")
+              f"({'pinned' if bud.pinned else 'estimate'}{util}); plugin transients {format_bytes(extra.bytes)}")
+        _check_ttm(device, bud, int(fitted.profile.memory["engine_overhead_bytes"]), check)
         for note in fitted.notes:
             check("model", None if note.startswith("tool calls off") else True, note)
     except Exl3Error as exc:
@@ -249,42 +290,6 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", help="check the fit of this model instead of the profile's default")
     p.add_argument("--quick", action="store_true", help="skip importing vLLM in the engine interpreter (~10 s)")
     p.set_defaults(handler=_cmd_doctor)
-
-
-def dry_run(args: argparse.Namespace) -> int:
-    """`up --dry-run`: the plan a real `up` would start, made by the same code (daemon/plan.py) in this process
-    with this shell's environment, printed; no daemon, no engine, no download, no temp dir."""
-    model = args.model
-    if model is not None and not isinstance(store.parse_argument(model), store.ModelRef):
-        model = str(Path(model).resolve())
-    req = UpRequest(model=model, profile=args.profile, port=args.port,
-                    overrides=profiles.parse_overrides(args.set), demo=args.demo)
-    p = plan(req, sysfs_root=Path(env.SYSFS.get()), dry_run=True)
-    info = p.describe(os.environ)
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    print("dry run: nothing was started (no daemon, no engine)")
-    print(f"model      {info['model']}")
-    print(f"profile    {info['profile']}")
-    for reason in info["profile_reasons"]:
-        print(f"           {reason}")
-    gpu = p.gpu
-    print(f"device     {gpu.name} ({gpu.kind}{', ' + gpu.pci_id if gpu.pci_id else ''}, "
-          f"{format_bytes(gpu.memory_bytes)}: {gpu.memory_source})")
-    for line in info["budget"]["lines"]:
-        print(f"budget     {line}")
-    for note in info["notes"]:
-        print(f"note       {note}")
-    print(f"endpoint   {info['endpoint']}")
-    print(f"command    (cwd /) {shlex.join(info['argv'])}")
-    for key, value in info["env_changed"].items():
-        print(f"env        {key}={value}")
-    for key in info["env_removed"]:
-        print(f"env        {key} (removed)")
-    same = len(info["env"]) - len(info["env_changed"])
-    print(f"env        + {same} variables as in this shell (secrets hidden; --json lists all)")
-    return 0
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:

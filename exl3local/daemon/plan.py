@@ -142,10 +142,7 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     fitted = model_fit.fit(prof, man, torchvision_missing=model_fit.torchvision_missing(engine_python))
     prof = fitted.profile
     environ = os.environ if environ is None else environ
-    drafts = int(speculative_config(prof.vllm).get("num_speculative_tokens", 0))
-    extra = transient.estimate(man.quantized, int(prof.vllm.get("max_num_batched_tokens") or DEFAULT_BATCHED_TOKENS),
-                               decode_once=_decode_once(prof, environ),
-                               max_logit_rows=int(prof.vllm.get("max_num_seqs", 1)) * (1 + drafts))
+    extra = plugin_transients(man, prof, environ)
     try:
         bud = machine.fit(man, mem, prof, transient_bytes=extra.bytes)
     except errors.BudgetError as exc:
@@ -182,6 +179,14 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
 
 
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default chunk when a profile sets none (at least this many rows per call)
+
+
+def plugin_transients(man: manifest.Manifest, prof: Profile, environ: Mapping[str, str]) -> transient.Transient:
+    """The plugin's own short-lived memory for this checkpoint under this profile (machine/transient.py)."""
+    drafts = int(speculative_config(prof.vllm).get("num_speculative_tokens", 0))
+    return transient.estimate(man.quantized, int(prof.vllm.get("max_num_batched_tokens") or DEFAULT_BATCHED_TOKENS),
+                              decode_once=_decode_once(prof, environ),
+                              max_logit_rows=int(prof.vllm.get("max_num_seqs", 1)) * (1 + drafts))
 
 
 def _decode_once(profile: Profile, environ: Mapping[str, str]) -> bool:
