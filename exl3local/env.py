@@ -34,6 +34,10 @@ DECODE_ONCE = EnvVar(
 DISABLED_KERNELS = EnvVar(
     "EXL3LOCAL_DISABLED_KERNELS", "", "comma-separated EXL3 kernel class names to skip (e.g. TritonLinearKernel)"
 )
+KERNEL_SELFTEST = EnvVar(
+    "EXL3LOCAL_KERNEL_SELFTEST", "auto",
+    "check each EXL3 kernel against the reference before a layer uses it: auto (on CUDA/XPU), 1 (also CPU), 0",
+)
 # Triton's own switch, read here so kernel choice knows Triton will run in its CPU interpreter (CI).
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's: run Triton kernels in its CPU interpreter")
 
@@ -65,5 +69,6 @@ CORS_ORIGINS = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (
     HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, HANG_TIMEOUT, API_IDLE_TIMEOUT, API_KEY_FILE, API_KEY,
-    ENGINE_PARENT, CORS_ORIGINS, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, TRITON_INTERPRET,
+    ENGINE_PARENT, CORS_ORIGINS, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, KERNEL_SELFTEST,
+    TRITON_INTERPRET,
 )

@@ -9,3 +9,21 @@ def register() -> None:
     list of supported methods.
     """
     import exl3local.plugin.config  # noqa: F401
+
+    # -- kernel self-test hook (issue 20 item 5): the dispatch self-tests each kernel before a layer gets it
+    # (kernels/selftest.py); its verdicts go to this process's kernel-path counters, where status, doctor and
+    # the dashboard read which path is off and why. Setting the publisher again replaces it (idempotent).
+    from exl3local.kernels import selftest
+
+    selftest.set_publisher(publish_selftest)
+
+
+def publish_selftest(results: list, refused: dict[str, str]) -> None:
+    """Self-test results and the paths they took out of service → this process's trace flags."""
+    from exl3local.plugin import trace
+
+    trace.set_flag("selftest", [r.to_json() for r in results])
+    if refused:
+        latched = dict(trace.counters().snapshot()["flags"].get("latched_off") or {})
+        trace.set_flag("latched_off", {**latched, **refused})
+    trace.counters().flush()  # now: a load that fails later still leaves the verdicts readable

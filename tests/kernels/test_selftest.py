@@ -1,0 +1,129 @@
+"""Kernel self-test (kernels/selftest.py): a kernel that mismatches the reference or fails to run is not chosen,
+the next candidate serves, and the verdict reaches whoever publishes it; the Triton checks catch a split-K result
+read from an unfinished (NaN) workspace."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from exl3local.errors import NoKernelError
+from exl3local.kernels import KernelSpec, dispatch, prepare, reference, selftest
+from exl3local.kernels.dispatch import TorchReferenceKernel, TritonLinearKernel
+
+SPEC = KernelSpec(128, 128, 3, "mcg")
+
+
+class OffByOnePercent(TorchReferenceKernel):
+    """Stands for a kernel whose device code miscomputes: the reference's output, 1% too large."""
+
+    backend = "cpu"
+
+    def apply(self, x, trellis, suh, svh, bias=None):
+        return super().apply(x, trellis, suh, svh, bias) * 1.01
+
+
+class DoesNotCompile(TorchReferenceKernel):
+    backend = "cpu"
+
+    def apply(self, x, trellis, suh, svh, bias=None):
+        raise RuntimeError("PassManager::run failed")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """Empty verdict cache, no publisher, checks on (whatever the environment says)."""
+    monkeypatch.setattr(selftest, "_VERDICTS", {})
+    monkeypatch.setattr(selftest, "_RESULTS", [])
+    monkeypatch.setattr(selftest, "_publish", None)
+    monkeypatch.setenv("EXL3LOCAL_KERNEL_SELFTEST", "auto")
+
+
+@pytest.mark.parametrize("broken,why", [(OffByOnePercent, "relative error"), (DoesNotCompile, "PassManager::run")])
+def test_a_kernel_that_fails_its_check_is_not_chosen(fresh, monkeypatch, broken, why):
+    monkeypatch.setitem(dispatch.CANDIDATES, "cpu", (broken, TorchReferenceKernel))
+    heard = []
+    selftest.set_publisher(lambda results, refused: heard.append((results, refused)))
+    kernel = prepare(SPEC, "cpu")
+    assert isinstance(kernel, TorchReferenceKernel) and type(kernel) is TorchReferenceKernel
+    (results, refused), = heard  # one verdict, published once
+    assert any(not r.ok and why in r.detail for r in results)
+    assert refused and all(why in reason and "3-bit mcg" in reason for reason in refused.values())
+    prepare(SPEC, "cpu")  # the verdict is cached: no second run, no second publication
+    assert len(heard) == 1
+
+
+def test_forcing_a_failed_kernel_lists_the_self_test_as_its_refusal(fresh, monkeypatch):
+    monkeypatch.setitem(dispatch.CANDIDATES, "cpu", (OffByOnePercent, TorchReferenceKernel))
+    with pytest.raises(NoKernelError) as info:
+        prepare(SPEC, "cpu", backend="cpu")
+    assert any(r.startswith("OffByOnePercent: self-test") for r in info.value.reasons)
+
+
+def test_switched_off_the_kernel_is_used_unchecked(fresh, monkeypatch):
+    monkeypatch.setenv("EXL3LOCAL_KERNEL_SELFTEST", "0")
+    monkeypatch.setitem(dispatch.CANDIDATES, "cpu", (OffByOnePercent, TorchReferenceKernel))
+    assert type(prepare(SPEC, "cpu")) is OffByOnePercent
+
+
+def test_a_good_kernel_passes_and_serves(fresh, monkeypatch):
+    class Good(TorchReferenceKernel):
+        backend = "cpu"
+
+    monkeypatch.setitem(dispatch.CANDIDATES, "cpu", (Good, TorchReferenceKernel))
+    assert type(prepare(SPEC, "cpu")) is Good
+    assert selftest.results() and all(r.ok and r.error < selftest.TOLERANCE for r in selftest.results())
+
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                 reason="Triton on CPU needs TRITON_INTERPRET=1 (scripts/test sets it)")
+
+
+@interpreted
+def test_triton_checks_pass_at_one_rate():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    got = selftest.run_kernel(TritonLinearKernel, 2.5, "mul1", device)
+    assert {r.path for r in got} >= {"decode", "gemv", "gemv_split_k", "gemv_one_row", "reconstruct_gemm", "moe_decode"}
+    assert all(r.ok for r in got), [r for r in got if not r.ok]
+
+
+@interpreted
+def test_split_k_read_of_an_unfinished_workspace_is_caught(monkeypatch):
+    """A launch whose output took what the split-K partials held before this launch stored them (a last split
+    that passed the barrier too early) fails gemv_split_k: the check filled the workspace with NaN."""
+    from exl3local.kernels import bound
+
+    real = bound.FusedLaunch.launch
+
+    def skipped_handshake(self, x, y, rows, *args, **kwargs):
+        ws = bound.Workspace._live.get((self.device, self.stream()))
+        before = ws.partials[: y.numel()].clone() if ws is not None else None
+        real(self, x, y, rows, *args, **kwargs)
+        if before is not None and self.split_for(1)[0] > 1:
+            y.view(-1)[:1] = before[:1].to(y.dtype)  # one element read early is enough to be wrong
+
+    monkeypatch.setattr(bound.FusedLaunch, "launch", skipped_handshake)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    checks = selftest.triton_checks(device)
+    ok, _, _, detail = checks["gemv_split_k"](4, "3inst", device, selftest.SIZES[selftest._kind(device)][0])
+    assert not ok and "non-finite" in detail
+
+
+def test_every_rate_is_listed():
+    got = selftest.rates()
+    assert len(got) == 3 * 8 + 3 and ("mul1", 3.5) in got and ("3inst", 1.5) not in got
+    for codebook, bits in got:
+        reference.check_bits(bits, codebook)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is_available()),
+                    reason="needs a CUDA or XPU device")
+def test_every_path_and_rate_on_the_gpu():
+    data = selftest.report(selftest.default_device())
+    failed = [r for r in data["results"] if not r["ok"]]
+    assert not failed, failed
+    paths = {r["path"] for r in data["results"]}
+    assert {"decode", "gemv_split_k", "moe_decode", "bound_direct", "reference"} <= paths
