@@ -20,11 +20,11 @@ SOURCE = Path(__file__).with_name("exl3_cpu.cpp")
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 # Per tier: the flags, and the /proc/cpuinfo flags the machine needs to run it.
 TIERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    # vpshldvd (VBMI2) extracts states, vpdpbusd (VNNI) sums mul1's bytes, F16C rounds through fp16.
+    # vpermb (VBMI) gathers each state's bytes, vpdpbusd (VNNI) sums mul1's bytes, F16C rounds through fp16.
     "avx512": (
-        ("-DEXL3_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi2",
+        ("-DEXL3_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi",
          "-mavx512vnni", "-mfma", "-mf16c"),
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vbmi2", "avx512_vnni", "fma", "f16c"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni", "fma", "f16c"),
     ),
     # AVX2 laptops (Lunar Lake, most others): the codebook table path, auto-vectorized.
     "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),

@@ -94,7 +94,9 @@ void finish_block(const float* acc, const float* svh, float* y) {
 #if defined(EXL3_AVX512)
 
 struct Groups {
-    __m512i idx0[16], idx1[16], off[16], urow[16];
+    __m512i bytes[16];  // per lane, the 4 stream bytes from the state's first byte on, MSB first (vpermb indices)
+    __m512i shift[16];  // the state's bit offset inside its first byte
+    __m512i urow[16];   // the tile row each lane's weight multiplies
     __mmask16 load_mask[16];
     int base[16];  // first buf word a group reads
 };
@@ -106,41 +108,47 @@ void make_groups(const Rate& r, Groups& g) {
             lo = r.i0[16 * gi + l] < lo ? r.i0[16 * gi + l] : lo;
             hi = r.i0[16 * gi + l] > hi ? r.i0[16 * gi + l] : hi;
         }
-        alignas(64) int i0[16], i1[16], off[16], urow[16];
+        alignas(64) uint8_t bytes[64];
+        alignas(64) int shift[16], urow[16];
         for (int l = 0; l < 16; ++l) {
-            const int p = 16 * gi + l;
-            i0[l] = r.i0[p] - lo;
-            i1[l] = r.i0[p] - lo + 1;
-            off[l] = r.off[p];
+            const int p = 16 * gi + l, bit = 32 * r.i0[p] + r.off[p], first = bit >> 3;
+            // Stream byte j sits in buf word j/4 at little-endian byte 3 - j%4 (MSB-first words).
+            for (int t = 0; t < 4; ++t) {
+                const int j = first + 3 - t;
+                bytes[4 * l + t] = (uint8_t)(4 * ((j >> 2) - lo) + 3 - (j & 3));
+            }
+            shift[l] = bit & 7;
             urow[l] = row_of(p);
         }
-        g.idx0[gi] = _mm512_load_si512(i0);
-        g.idx1[gi] = _mm512_load_si512(i1);
-        g.off[gi] = _mm512_load_si512(off);
+        g.bytes[gi] = _mm512_load_si512(bytes);
+        g.shift[gi] = _mm512_load_si512(shift);
         g.urow[gi] = _mm512_load_si512(urow);
         g.base[gi] = lo;
-        // buf words [lo, hi+1], clipped to the ring (buf index words32 is U's last word).
+        // buf words [lo, hi+1], clipped to the ring (buf index words32 is U's last word); masked-off words read
+        // as zero and only ever fill bits below a state.
         int last = hi + 1 < r.words32 ? hi + 1 : r.words32;
         int count = last - lo + 1;
         g.load_mask[gi] = (__mmask16)((1u << count) - 1);
     }
 }
 
+// s: 16-bit states (upper bits zero) -> fp32 weights, each exactly its fp16 value.
 template <int CB>
 inline __m512 decode16(__m512i s) {
-    const __m512i mask16 = _mm512_set1_epi32(0xFFFF);
-    s = _mm512_and_si512(s, mask16);
     __m512 f;
     if constexpr (CB == CB_MUL1) {
         const __m512i x = _mm512_mullo_epi32(s, _mm512_set1_epi32((int)0x83DCD12Du));
-        const __m512i sum = _mm512_dpbusd_epi32(_mm512_set1_epi32(1024), x, _mm512_set1_epi32(0x01010101));
-        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(887.0f / 131072.0f),
-                            _mm512_set1_ps(-1329.0f / 128.0f));
+        // The byte sum lands in the mantissa of 2^23 (float bits 0x4B000000 + sum = 2^23 + sum), and the affine
+        // constant absorbs the 2^23 - 1024: the fma's one rounding of an exactly representable value is exact.
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_set1_epi32(0x4B000000), x, _mm512_set1_epi32(0x01010101));
+        constexpr double k_inv = 887.0 / 131072.0;
+        constexpr float bias = (float)(-1329.0 / 128.0 + (1024.0 - 8388608.0) * k_inv);
+        f = _mm512_fmadd_ps(_mm512_castsi512_ps(sum), _mm512_set1_ps((float)k_inv), _mm512_set1_ps(bias));
     } else {
         __m512i x = _mm512_mullo_epi32(s, _mm512_set1_epi32(CB == CB_MCG ? (int)0xCBAC1FEDu : 0x05517C72));
         if constexpr (CB == CB_3INST) x = _mm512_add_epi32(x, _mm512_set1_epi32(0x03D45AA4));
-        const __m512i y = _mm512_xor_si512(_mm512_and_si512(x, _mm512_set1_epi32((int)0x8FFF8FFFu)),
-                                           _mm512_set1_epi32(0x3B603B60));
+        const __m512i y = _mm512_ternarylogic_epi32(x, _mm512_set1_epi32((int)0x8FFF8FFFu),
+                                                    _mm512_set1_epi32(0x3B603B60), 0x6A);  // (a & b) ^ c
         const __m512 lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(y));
         const __m512 hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(y, 16)));
         f = _mm512_add_ps(lo, hi);  // exact in fp32; the fp16 rounding below is the __hadd's
@@ -158,9 +166,9 @@ inline __m512 decode_group(const uint32_t* U, int words32, const Groups& g, int 
     } else {
         v = _mm512_maskz_loadu_epi32(g.load_mask[gi], U + g.base[gi] - 1);
     }
-    const __m512i hi = _mm512_permutexvar_epi32(g.idx0[gi], v);
-    const __m512i lo = _mm512_permutexvar_epi32(g.idx1[gi], v);
-    return decode16<CB>(_mm512_srli_epi32(_mm512_shldv_epi32(hi, lo, g.off[gi]), 16));
+    // Four stream bytes per lane, MSB first, then the state is the 16 bits at the lane's bit offset.
+    const __m512i window = _mm512_permutexvar_epi8(g.bytes[gi], v);
+    return decode16<CB>(_mm512_srli_epi32(_mm512_sllv_epi32(window, g.shift[gi]), 16));
 }
 
 template <int CB>

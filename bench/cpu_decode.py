@@ -1,0 +1,221 @@
+"""EXL3 vs bf16 end to end on the CPU engine: offline vLLM, batch 1, one synthetic Llama-shaped model in both forms.
+
+    python -P bench/cpu_decode.py [--layers 4] [--hidden 2048] [--intermediate 5632] [--bits 4] [--out DIR]
+
+The EXL3 checkpoint (mul1, every linear of every layer a random trellis, lm_head left bf16 in both) and its bf16
+twin (the same weights decoded) are written with tests/support/exl3_writer.py's group and decode helpers. Each
+model then runs in its own process with vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
+resident-memory growth of that process over LLM() is the engine's weights + KV + workspaces. Per model:
+decode tok/s (a 128-token greedy run minus a 1-token run, same 16-token prompt, best of 3), prefill tok/s
+(a 512-token prompt, one output token), RSS growth. Then per linear shape (kernels/cpu vs torch bf16, one
+row, weights cycled through copies larger than the L3 cache): ns per weight and GB/s of weight bytes read, next
+to this machine's read bandwidth (a 1 GiB sum). Run it under the heavy-test lock: one engine at a time here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def llama_config(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "dtype": "bfloat16",
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
+        "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "attention_bias": False,
+        "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+
+
+def write_models(root: Path, cfg: dict, bits: int, seed: int = 0) -> tuple[Path, Path]:
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(REPO / "tests" / "support"))
+    import exl3_writer as w  # noqa: E402  (tests/support is not a package on the path)
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    exl3: dict[str, torch.Tensor] = {}
+    twin: dict[str, torch.Tensor] = {}
+    storage: dict = {}
+
+    def plain(name: str, value: torch.Tensor) -> None:
+        exl3[name] = twin[name] = value.to(torch.bfloat16)
+        w._record(storage, name.rpartition(".")[0], {name: exl3[name]}, None)
+
+    plain("model.embed_tokens.weight", torch.randn(cfg["vocab_size"], hidden, generator=gen))
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        plain(f"{p}input_layernorm.weight", 1 + 0.1 * torch.randn(hidden, generator=gen))
+        plain(f"{p}post_attention_layernorm.weight", 1 + 0.1 * torch.randn(hidden, generator=gen))
+        for name, size_in, size_out in (
+            ("self_attn.q_proj", hidden, q), ("self_attn.k_proj", hidden, kv), ("self_attn.v_proj", hidden, kv),
+            ("self_attn.o_proj", q, hidden), ("mlp.gate_proj", hidden, inter), ("mlp.up_proj", hidden, inter),
+            ("mlp.down_proj", inter, hidden),
+        ):  # fmt: skip
+            t = w.Linear(p + name, size_in, size_out, bits)
+            group = w._group(t, gen)
+            exl3.update(group)
+            twin.update({k: v.to(torch.bfloat16) for k, v in w.decoded(group, t).items()})
+            w._record(storage, t.name, group, t)
+    plain("model.norm.weight", 1 + 0.1 * torch.randn(hidden, generator=gen))
+    plain("lm_head.weight", torch.randn(cfg["vocab_size"], hidden, generator=gen) * hidden**-0.5 * 4)
+    qcfg = {"quant_method": "exl3", "version": "1.6.5", "bits": bits, "head_bits": 16, "codebook": "mul1",
+            "calibration": {"rows": 250, "cols": 2048}, "out_scales": "auto"}  # fmt: skip
+    paths = root / "exl3", root / "bf16"
+    for path, state, c in ((paths[0], exl3, {**cfg, "quantization_config": qcfg}), (paths[1], twin, cfg)):
+        path.mkdir(parents=True)
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(c, indent=2))
+    (paths[0] / "quantization_config.json").write_text(json.dumps({**qcfg, "tensor_storage": storage}, indent=2))
+    return paths
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def child(model: str, out: str) -> None:
+    """One model, engine in this process: RSS growth, decode and prefill speed."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    import torch
+
+    torch.zeros(1)  # torch's allocator and threads up before the baseline
+    before = rss()
+    start = time.perf_counter()
+    llm = LLM(model, max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=32 << 20,
+              skip_tokenizer_init=True, enable_prefix_caching=False, disable_log_stats=True, seed=0)
+    load_s = time.perf_counter() - start
+    loaded = rss()
+
+    def run(prompt: list[int], tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    short = list(range(3, 19))
+    long = [3 + (i * 7919) % 2000 for i in range(512)]
+    run(short, 4)  # warm-up: first calls bind kernels, size workspaces
+    decode = []
+    for _ in range(3):
+        decode.append((run(short, 128) - run(short, 1)) / 127)
+    prefill = min(run(long, 1) for _ in range(2))
+    result = {"model": model, "load_s": load_s, "rss_growth": rss() - before, "rss_after_load": loaded - before,
+              "decode_s_per_token": min(decode), "decode_tok_s": 1 / min(decode),
+              "prefill_s": prefill, "prefill_tok_s": 512 / prefill}
+    Path(out).write_text(json.dumps(result))
+
+
+def linear_speeds(cfg: dict, bits: int) -> list[dict]:
+    """Per linear shape: kernels/cpu (one row) vs torch bf16 (one row), ns per weight and GB/s of weights read."""
+    import torch
+
+    from exl3local.kernels.cpu import ops
+
+    def best(fn, copies: int, reps: int = 40) -> float:
+        for i in range(copies):
+            fn(i)
+        times = []
+        for r in range(reps):
+            t0 = time.perf_counter()
+            fn(r % copies)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2]  # median: the machine is shared
+
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    rows = []
+    for k, n in ((hidden, hidden), (hidden, 2 * inter), (inter, hidden)):
+        copies = max(2, (256 << 20) // (k * n * 2))  # bf16 copies over 256 MiB: past the 105 MiB L3
+        g = torch.Generator().manual_seed(0)
+        lins = [ops.CpuLinear(torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), dtype=torch.int16,
+                                            generator=g), torch.randn(k).half(), torch.randn(n).half(), bits, "mul1")
+                for _ in range(copies)]
+        x = torch.randn(1, k)
+        exl3 = best(lambda i: lins[i](x), copies)
+        dense = [torch.randn(n, k, generator=g).bfloat16() for _ in range(copies)]
+        xb = x.bfloat16()
+        bf16 = best(lambda i: torch.nn.functional.linear(xb, dense[i]), copies)
+        rows.append({"k": k, "n": n, "exl3_us": exl3 * 1e6, "bf16_us": bf16 * 1e6,
+                     "exl3_ns_per_weight": exl3 * 1e9 / (k * n), "bf16_ns_per_weight": bf16 * 1e9 / (k * n),
+                     "exl3_gb_s": k * n * bits / 8 / exl3 / 1e9, "bf16_gb_s": k * n * 2 / bf16 / 1e9})
+        del lins, dense
+    return rows
+
+
+def read_bandwidth() -> float:
+    import torch
+
+    a = torch.ones(256 << 20)  # 1 GiB fp32
+    a.sum()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        a.sum()
+    return 3 * a.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--out", type=Path, help="keep the checkpoints and results here (default: a temp dir)")
+    parser.add_argument("--skip-linears", action="store_true")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    cfg = llama_config(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
+    with tempfile.TemporaryDirectory(prefix="cpu-decode-") as tmp:
+        root = args.out or Path(tmp)
+        t0 = time.perf_counter()
+        exl3, bf16 = write_models(root / "models", cfg, args.bits)
+        print(f"checkpoints written in {time.perf_counter() - t0:.0f} s", flush=True)
+        results = {}
+        for name, path in (("bf16", bf16), ("exl3", exl3)):
+            out = root / f"{name}.json"
+            subprocess.run([sys.executable, "-P", __file__, "--child", str(path), str(out)], check=True, cwd=tempfile.gettempdir())
+            results[name] = json.loads(out.read_text())
+            r = results[name]
+            print(f"{name}: decode {r['decode_tok_s']:.2f} tok/s, prefill-512 {r['prefill_tok_s']:.1f} tok/s, "
+                  f"RSS growth {r['rss_growth'] / 2**20:.0f} MiB (after load {r['rss_after_load'] / 2**20:.0f}), "
+                  f"load {r['load_s']:.1f} s", flush=True)
+    e, b = results["exl3"], results["bf16"]
+    results["ratios"] = {"decode": e["decode_tok_s"] / b["decode_tok_s"], "prefill": e["prefill_tok_s"] / b["prefill_tok_s"],
+                         "rss_growth": e["rss_growth"] / b["rss_growth"]}
+    print("EXL3/bf16: decode {decode:.2f}x, prefill-512 {prefill:.2f}x, RSS growth {rss_growth:.2f}x".format(**results["ratios"]))
+    if not args.skip_linears:
+        results["read_gb_s"] = read_bandwidth()
+        print(f"memory read bandwidth (1 GiB sum): {results['read_gb_s']:.1f} GB/s")
+        results["linears"] = linear_speeds(cfg, args.bits)
+        for r in results["linears"]:
+            print(f"linear {r['k']}x{r['n']}: EXL3 {r['exl3_us']:.0f} us ({r['exl3_ns_per_weight']:.3f} ns/w, "
+                  f"{r['exl3_gb_s']:.2f} GB/s trellis) vs bf16 {r['bf16_us']:.0f} us ({r['bf16_ns_per_weight']:.3f} ns/w, "
+                  f"{r['bf16_gb_s']:.2f} GB/s)")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
