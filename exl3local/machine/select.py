@@ -17,7 +17,7 @@ from exl3local.manifest import text_config
 from exl3local.units import format_gib
 from exl3local.machine import budget, hardware, xpu
 
-RUNTIME_SOURCE = "the GPU runtime in the engine's interpreter (torch.xpu.mem_get_info)"
+RUNTIME_SOURCE = "the GPU runtime in the engine's interpreter (torch.accelerator.get_memory_info)"
 
 
 @dataclass(frozen=True)

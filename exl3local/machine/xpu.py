@@ -1,5 +1,6 @@
 """What the engine's own interpreter sees of the Intel GPUs: the devices Level Zero enumerates (in PCI order),
-their memory as torch.xpu reports it (the numbers vLLM's start-up check compares), XMX, Xe cores, driver.
+their memory as torch reports it (torch.accelerator.get_memory_info, the call vLLM's start-up check makes;
+in vLLM's own process its XPU platform may answer it through vllm-xpu-kernels), XMX, Xe cores, driver.
 
 sysfs cannot say some of it: a B70 without resizable BAR on mainline xe has no VRAM size there, and a GPU
 that Level Zero does not enumerate (an old iGPU on a legacy driver) shifts every device index after it.
@@ -96,9 +97,11 @@ try:
     else:
         for i in range(xpu.device_count()):
             p = xpu.get_device_properties(i)
-            try:
-                free, total = xpu.mem_get_info(i)
-            except (RuntimeError, AttributeError):
+            try:  # what vLLM's MemorySnapshot reads; its XPU platform may route this to vllm-xpu-kernels
+                accel = getattr(torch, "accelerator", None)
+                query = accel.get_memory_info if hasattr(accel, "get_memory_info") else xpu.mem_get_info
+                free, total = query(torch.device("xpu", i))
+            except (RuntimeError, AttributeError, TypeError):
                 free, total = None, getattr(p, "total_memory", None)
             out["devices"].append({{
                 "index": i, "name": str(getattr(p, "name", "?")), "device_id": getattr(p, "device_id", None),

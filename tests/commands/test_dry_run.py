@@ -25,8 +25,11 @@ E223, LNL = 0xE223, 0x64A0
 
 
 def up(tmp_path: Path, tree: Path, *args: str, python: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    # Without a stand-in the engine interpreter answers as this machine's does (torch for CPU: no XPU), only
+    # faster than importing torch; doctor's test runs the real query.
+    python = python or xpu_standin(tmp_path, [], "2.13.0+cpu", "torch 2.13.0+cpu sees no XPU device", "no-xpu-python")
     extra = {"EXL3LOCAL_SYSFS": str(tree), "TMPDIR": str(tmp_path / "tmp"), "EXL3LOCAL_ENGINE_PORT": "1",
-             **({"EXL3LOCAL_ENGINE_PYTHON": str(python)} if python else {}), **env}
+             "EXL3LOCAL_ENGINE_PYTHON": str(python), **env}
     (tmp_path / "tmp").mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-P", "-m", "exl3local", "up", *args, "--dry-run", "--json"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environ(**extra))
@@ -66,7 +69,7 @@ def test_a_dry_run_starts_nothing_and_hides_secrets(tmp_path, xdg, tiny):
     assert str(tree) not in ps
 
 
-@pytest.mark.parametrize("ram_gib", [32, 24, 48])
+@pytest.mark.parametrize("ram_gib", [32, 24])
 def test_a_pinned_igpu_engine_asks_vllm_for_what_it_holds(tmp_path, xdg, tiny, ram_gib):
     """vLLM's XPU worker refuses to start unless free >= total x --gpu-memory-utilization, also with a pinned KV
     cache; without the flag it asks for 92 % of the device, which a desktop's iGPU never has free."""

@@ -88,14 +88,15 @@ def b70s(root: Path, cards: int = 1, bar: int = B70_VRAM, tile_file: bool = Fals
     return root
 
 
-def xpu_standin(where: Path, devices: list[dict], torch_version: str = "2.13.0+xpu") -> Path:
+def xpu_standin(where: Path, devices: list[dict], torch_version: str = "2.13.0+xpu", error: str | None = None,
+                name: str = "engine-python") -> Path:
     """An engine interpreter whose XPU runtime reports `devices` (index, name, device_id, total_bytes,
     free_bytes, xmx, xe_cores, driver): it answers the query exl3local runs there (machine/xpu.py QUERY) and
     hands every other command to this test's Python, so the rest of the engine interpreter is real."""
     from exl3local.machine import xpu
 
-    answer = xpu.MARK + json.dumps({"torch": torch_version, "devices": devices, "error": None})
-    script = where / "engine-python"
+    answer = xpu.MARK + json.dumps({"torch": torch_version, "devices": devices, "error": error})
+    script = where / name
     script.write_text("#!/bin/sh\n"
                       f"case \"$*\" in *{xpu.MARK.strip()}*) cat <<'EOF'\n{answer}\nEOF\n exit 0;; esac\n"
                       f"exec {sys.executable} \"$@\"\n")
