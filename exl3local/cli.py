@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from exl3local import __version__, env
-from exl3local.commands import desktop, engine, machine, models
+from exl3local.commands import desktop, engine, machine, models, selftest
 from exl3local.errors import Exl3Error
 from exl3local.tui.command import add_dash
 
@@ -20,6 +20,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     models.add_subcommands,  # inspect, pull, list, rm
     engine.add_subcommands,  # up, down, status, logs, daemon
     machine.add_subcommands,  # profile, doctor
+    selftest.add_subcommands,  # selftest: every kernel path against the reference, in the engine's interpreter
     desktop.add_subcommands,  # service install|uninstall|status, tray ([tray] extra)
     add_dash,  # dash: the Textual dashboard (exl3local.tui), which imports textual only when run
 ]

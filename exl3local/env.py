@@ -36,7 +36,8 @@ DISABLED_KERNELS = EnvVar(
 )
 KERNEL_SELFTEST = EnvVar(
     "EXL3LOCAL_KERNEL_SELFTEST", "auto",
-    "check each EXL3 kernel against the reference before a layer uses it: auto (on CUDA/XPU), 1 (also CPU), 0",
+    "check each EXL3 kernel against the reference before a layer uses it: auto (all but Triton's CPU interpreter), "
+    "1 (that too), 0 (none)",
 )
 # Triton's own switch, read here so kernel choice knows Triton will run in its CPU interpreter (CI).
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's: run Triton kernels in its CPU interpreter")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import json
+import os
 import platform
 import sys
 import threading
@@ -498,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress", action="store_true", help="one line per check on stderr")
     args = parser.parse_args(argv)
     device = torch.device(args.device) if args.device else default_device()
+    if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
+        # No GPU: Triton's kernels run in its CPU interpreter (set before any kernel module is imported, since
+        # triton.jit reads it when a kernel is defined).
+        os.environ["TRITON_INTERPRET"] = "1"
 
     def progress(what: str) -> None:
         print(f"selftest: {what}", file=sys.stderr, flush=True)

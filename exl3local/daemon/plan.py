@@ -18,7 +18,7 @@ from typing import Any
 
 from exl3local import env, errors, manifest, paths
 from exl3local.api.protocol import UpRequest
-from exl3local.engine import launch, model_fit
+from exl3local.engine import launch, model_fit, vllm_version
 from exl3local.machine import budget, hardware, transient
 from exl3local.machine.select import Device, find_device, model_choices, select
 from exl3local.models import store
@@ -134,6 +134,10 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     """Everything `up` decides, in one place: a real `up` starts `spec`, `up --dry-run` prints it. A dry run
     makes no temp dir and reports a busy port as a note instead of refusing."""
     engine_python = python or env.ENGINE_PYTHON.get() or sys.executable
+    # The engine interpreter's vLLM must be in the plugin's range: refused here, before any weight loads.
+    vllm_refused = vllm_version.refusal(engine_python)
+    if vllm_refused and not dry_run:
+        raise errors.ConfigError(vllm_refused, hint=vllm_version.HINT)
     device = find_device(sysfs_root, python=engine_python)
     machine = select(req.profile, req.overrides, device=device)
     prof = machine.profile
@@ -152,6 +156,8 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
         raise errors.BudgetError(exc.message, hint=f"{exc.hint}; this profile's models, largest first: {names} "
                                  "(`exl3local up REPO:REVISION`)") from None
     notes = [f"plugin transients {extra.why}"] if extra.bytes else []
+    if vllm_refused:
+        notes.append(vllm_refused)
     if device.runtime is not None and device.runtime.error:
         notes.append(f"GPU runtime: {device.runtime.error}")
     if device.gpu.vendor == "intel" and device.runtime is not None and device.affinity is None:

@@ -1,0 +1,106 @@
+"""`exl3local selftest [--json]`: every EXL3 kernel path, codebook and bit width checked against the reference
+decoder on this machine's device, as one report.
+
+The checks run in the engine's interpreter (EXL3LOCAL_ENGINE_PYTHON, else this one), where torch, Triton and the
+device stack live: `python -P -m exl3local.kernels.selftest` prints the report as JSON on stdout and one line per
+check on stderr, which this command turns into a status line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+
+from rich.console import Console
+from rich.table import Table
+
+from exl3local import env
+from exl3local.errors import Exl3Error
+
+SELFTEST_MODULE = "exl3local.kernels.selftest"
+
+
+def run_report(python: str, every_rate: bool, device: str | None, on_line=None) -> dict:
+    """The self-test report from `python` (a dict, see kernels/selftest.report); on_line(text) per check."""
+    argv = [python, "-P", "-m", SELFTEST_MODULE, "--progress"] + (["--all"] if every_rate else [])
+    argv += ["--device", device] if device else []
+    # The report (tens of KiB on a GPU) goes to a file: a pipe could fill while stderr is being read.
+    with tempfile.TemporaryFile("w+") as report:
+        try:
+            proc = subprocess.Popen(argv, stdout=report, stderr=subprocess.PIPE, text=True, cwd="/",
+                                    env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
+        except OSError as exc:
+            raise Exl3Error(f"cannot run {python}: {exc}",
+                            hint="EXL3LOCAL_ENGINE_PYTHON names the engine's interpreter") from None
+        tail: list[str] = []
+        for line in proc.stderr:
+            line = line.rstrip()
+            tail = (tail + [line])[-5:]
+            if on_line is not None and line.startswith("selftest: "):
+                on_line(line.removeprefix("selftest: "))
+        proc.wait()
+        report.seek(0)
+        out = report.read()
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise Exl3Error(f"the self-test in {python} ended (exit {proc.returncode}) without a report: "
+                        f"{' | '.join(tail[-3:])}",
+                        hint="torch must import there; `exl3local doctor` checks the engine's interpreter") from None
+
+
+def print_report(data: dict, console: Console) -> None:
+    """Device, versions, then one row per kernel and rate (checks passed, worst error, µs of its first check)
+    and one line per failed check."""
+    dev, ver = data["device"], data["versions"]
+    extra = ", ".join(f"{k} {v}" for k, v in dev.items() if k not in ("type", "name") and v is not None)
+    console.print(f"device    {dev['type']}: {dev['name']}" + (f" ({extra})" if extra else ""), highlight=False)
+    console.print("versions  " + ", ".join(f"{k} {v}" for k, v in ver.items()), highlight=False)
+    rows: dict[tuple, list[dict]] = defaultdict(list)
+    for entry in data["results"]:
+        rows[(entry["kernel"], entry["codebook"], entry["bits"])].append(entry)
+    table = Table("kernel", "codebook", "bits", "checks", "max error", "µs", box=None, pad_edge=False, highlight=False)
+    for (kernel, codebook, bits), entries in rows.items():
+        passed = sum(e["ok"] for e in entries)
+        errors = [e["error"] for e in entries if e["error"] is not None]
+        us = entries[-1]["us"] if kernel != "TritonLinearKernel" else next(
+            (e["us"] for e in entries if e["path"] == "gemv"), None)
+        checks = f"{passed}/{len(entries)} ok" if passed == len(entries) else f"[red]{passed}/{len(entries)} ok[/red]"
+        table.add_row(kernel, codebook, f"{bits:g}", checks, f"{max(errors):.1e}" if errors else "-",
+                      f"{us:.0f}" if us is not None else "-")
+    console.print(table)
+    for entry in data["results"]:
+        if not entry["ok"]:
+            console.print(f"[red]FAIL[/red] {entry['kernel']} {entry['path']} at {entry['bits']:g}-bit "
+                          f"{entry['codebook']}: {entry['detail']}", highlight=False)
+    for note in data.get("notes", ()):
+        console.print(f"note      {note}", highlight=False)
+    failed = sum(not e["ok"] for e in data["results"])
+    console.print(f"{len(data['results'])} checks, {failed} failed, {data['seconds']} s"
+                  + ("" if failed else ": every path matches the reference"), highlight=False)
+
+
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    python = env.ENGINE_PYTHON.get() or sys.executable
+    console = Console(stderr=True)
+    if args.json:
+        data = run_report(python, args.all, args.device)
+        print(json.dumps(data, indent=1))
+    else:
+        with console.status(f"checking EXL3 kernels in {python}") as status:
+            data = run_report(python, args.all, args.device, lambda what: status.update(f"checking {what}"))
+        print_report(data, Console())
+    return 0 if data["ok"] else 1
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("selftest", help="check every EXL3 kernel path against the reference decoder on this device")
+    p.add_argument("--json", action="store_true", help="the report as one JSON object (to send back)")
+    p.add_argument("--all", action="store_true", help="every rate under the CPU interpreter too (slow)")
+    p.add_argument("--device", help="torch device to check (default: the first CUDA/XPU device, else cpu)")
+    p.set_defaults(handler=_cmd_selftest)
