@@ -30,6 +30,8 @@ from exl3local.engine import launch
 
 
 def main() -> None:
+    if sys.argv[1:4] == ["-P", "-m", "exl3local.plugin.version"]:  # `up` asks the engine's interpreter: answer as it
+        os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
     launch._die_with_parent()  # the real launcher's first step: die with the daemon
     argv = sys.argv[1:]
     host = argv[argv.index("--host") + 1]
