@@ -3,7 +3,7 @@
     python -P bench/cpu_decode.py [--layers 4] [--hidden 2048] [--intermediate 5632] [--bits 4] [--out DIR]
 
 The EXL3 checkpoint (mul1, every linear of every layer a random trellis, lm_head left bf16 in both) and its bf16
-twin (the same weights decoded) are written with tests/support/exl3_writer.py's group and decode helpers. Each
+twin (the same weights decoded) are written with tests/support/exl3_writer.py's group helpers. Each
 model then runs in its own process with vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
 resident-memory growth of that process over LLM() is the engine's weights + KV + workspaces. Per model:
 decode tok/s (a 128-token greedy run minus a 1-token run, same 16-token prompt, best of 3), prefill tok/s
@@ -68,7 +68,7 @@ def write_models(root: Path, cfg: dict, bits: int, seed: int = 0) -> tuple[Path,
             t = w.Linear(p + name, size_in, size_out, bits)
             group = w._group(t, gen)
             exl3.update(group)
-            twin.update({k: v.to(torch.bfloat16) for k, v in w.decoded(group, t).items()})
+            twin[f"{t.name}.weight"] = dense_weight(group, t).to(torch.bfloat16)
             w._record(storage, t.name, group, t)
     plain("model.norm.weight", 1 + 0.1 * torch.randn(hidden, generator=gen))
     plain("lm_head.weight", torch.randn(cfg["vocab_size"], hidden, generator=gen) * hidden**-0.5 * 4)
@@ -81,6 +81,21 @@ def write_models(root: Path, cfg: dict, bits: int, seed: int = 0) -> tuple[Path,
         (path / "config.json").write_text(json.dumps(c, indent=2))
     (paths[0] / "quantization_config.json").write_text(json.dumps({**qcfg, "tensor_storage": storage}, indent=2))
     return paths
+
+
+def dense_weight(group: dict, t) -> "torch.Tensor":
+    """exl3_writer.decoded's weight (out, in), with Ŵ from kernels/cpu (bit-exact, tests/kernels/test_cpu.py):
+    the reference decoder would take an hour over these shapes."""
+    import torch
+
+    from exl3local.kernels.cpu import ops
+    from exl3local.kernels.hadamard import hadamard_cols, hadamard_rows
+
+    trellis, suh, svh = (group[f"{t.name}.{k}"] for k in ("trellis", "suh", "svh"))
+    w_inner = ops.CpuLinear(trellis, suh, svh, t.bits, "mul1").decode()
+    left = hadamard_cols(w_inner).to(torch.float16) * suh[:, None]  # reference.reconstruct's rounding steps
+    w = hadamard_rows(left).to(torch.float16) * svh[None, :]
+    return w[: t.size_in, : t.size_out].T.contiguous()
 
 
 def rss() -> int:

@@ -92,6 +92,12 @@ class ExpertLayer:
         self.bound = None
         if self.refusal is None:
             self._bind()
+        self.cpu = None  # kernels/cpu's unit path, where the dispatch chose the CPU kernel for every projection
+        if all(k.backend == "cpu" for k in self.kernels.values()):
+            from exl3local.kernels.cpu import moe as cpu_moe
+
+            if cpu_moe.refusal(proj) is None:
+                self.cpu = cpu_moe.CpuExperts(w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, proj)
 
     def _bind(self) -> None:
         """Both projections' launches bound once, over zero-copy views of the arenas: w13 as 2E experts (row 2e
@@ -134,6 +140,10 @@ class ExpertLayer:
             from exl3local.kernels.triton_decode import decode_dense
 
             w = decode_dense(self.trellis(name, e), p.bits, p.codebook).float()
+        elif self.kernels[name].backend == "cpu":
+            from exl3local.kernels.cpu.ops import CpuLinear
+
+            w = CpuLinear(self.trellis(name, e), suh, svh, p.bits, p.codebook).decode()
         else:
             w = reference.decode_trellis(self.trellis(name, e), p.bits, p.codebook).float()
         h = hadamard_128(w.device)
@@ -174,6 +184,8 @@ class ExpertLayer:
         expert ids (-1: another rank's) through `path` (already checked with path_refusal)."""
         if path in TRITON_MOE_PATHS and self.refusal is None:
             return self.grouped_units(xf, weights, ids)
+        if path in (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY) and self.cpu is not None:
+            return self.cpu.units(xf, weights, ids)
         out = torch.zeros(xf.shape[0], self.proj["down"].size_n, dtype=torch.float32, device=xf.device)
         if path in (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY):
             host_ids = ids.tolist()  # the layer's one host sync: the units to run

@@ -107,6 +107,9 @@ def build(tier: str) -> Path:
             raise BuildError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
         target = d / library_name(tier)
         os.replace(tmp, target)
+        for old in d.glob(f"libexl3cpu-{tier}-*.so"):  # earlier sources' builds (a loaded one stays mapped)
+            if old != target:
+                old.unlink(missing_ok=True)
         return target
     raise BuildError("no writable build directory: " + "; ".join(errors))
 

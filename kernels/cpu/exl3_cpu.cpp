@@ -171,47 +171,71 @@ inline __m512 decode_group(const uint32_t* U, int words32, const Groups& g, int 
     return decode16<CB>(_mm512_srli_epi32(_mm512_sllv_epi32(window, g.shift[gi]), 16));
 }
 
+// One work item: the 128 output columns of chunk c for m rows of u, over every k tile of one trellis.
+// acc: m * CHUNK_TILES * POSITIONS floats (64-byte aligned), ue: m * 16 vectors.
 template <int CB>
-void gemv_impl(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const float* u, int m,
-               const float* svh, float* y, int threads) {
-    Groups g;
-    make_groups(r, g);
-    const int k = tiles_k * 16, n = tiles_n * 16, words16 = 2 * r.words32, chunks = tiles_n / CHUNK_TILES;
+void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const Groups& g, const float* u,
+                int m, int c, float* acc, __m512* ue, const float* svh, float* y, size_t y_stride) {
+    const int k = tiles_k * 16, words16 = 2 * r.words32;
     const size_t row_words = (size_t)tiles_n * words16;
-#pragma omp parallel num_threads(threads)
-    {
-        float* acc = (float*)_mm_malloc(sizeof(float) * m * CHUNK_TILES * POSITIONS, 64);
-        __m512* ue = (__m512*)_mm_malloc(sizeof(__m512) * m * 16, 64);
-#pragma omp for schedule(static)
-        for (int c = 0; c < chunks; ++c) {
-            std::memset(acc, 0, sizeof(float) * m * CHUNK_TILES * POSITIONS);
-            const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
-            const int chunk_bytes = CHUNK_TILES * words16 * 2;
-            for (int tk = 0; tk < tiles_k; ++tk) {
-                if (tk + 4 < tiles_k) {  // rows of a chunk are n*K bytes apart: prefetch a few rows ahead
-                    const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);
-                    for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-                }
+    std::memset(acc, 0, sizeof(float) * m * CHUNK_TILES * POSITIONS);
+    const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
+    const int chunk_bytes = CHUNK_TILES * words16 * 2;
+    for (int tk = 0; tk < tiles_k; ++tk) {
+        if (tk + 4 < tiles_k) {  // rows of a chunk are n*K bytes apart: prefetch a few rows ahead
+            const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);
+            for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        }
+        for (int mi = 0; mi < m; ++mi) {
+            const __m512 ut = _mm512_loadu_ps(u + (size_t)mi * k + 16 * tk);
+            for (int gi = 0; gi < 16; ++gi) ue[mi * 16 + gi] = _mm512_permutexvar_ps(g.urow[gi], ut);
+        }
+        const int16_t* row = col0 + (size_t)tk * row_words;
+        for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+            const uint32_t* U = (const uint32_t*)(row + (size_t)ct * words16);
+            float* a = acc + ct * POSITIONS;
+            for (int gi = 0; gi < 16; ++gi) {
+                const __m512 w = decode_group<CB>(U, r.words32, g, gi);
                 for (int mi = 0; mi < m; ++mi) {
-                    const __m512 ut = _mm512_loadu_ps(u + (size_t)mi * k + 16 * tk);
-                    for (int gi = 0; gi < 16; ++gi) ue[mi * 16 + gi] = _mm512_permutexvar_ps(g.urow[gi], ut);
-                }
-                const int16_t* row = col0 + (size_t)tk * row_words;
-                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
-                    const uint32_t* U = (const uint32_t*)(row + (size_t)ct * words16);
-                    float* a = acc + ct * POSITIONS;
-                    for (int gi = 0; gi < 16; ++gi) {
-                        const __m512 w = decode_group<CB>(U, r.words32, g, gi);
-                        for (int mi = 0; mi < m; ++mi) {
-                            float* am = a + (size_t)mi * CHUNK_TILES * POSITIONS + 16 * gi;
-                            _mm512_store_ps(am, _mm512_fmadd_ps(ue[mi * 16 + gi], w, _mm512_load_ps(am)));
-                        }
-                    }
+                    float* am = a + (size_t)mi * CHUNK_TILES * POSITIONS + 16 * gi;
+                    _mm512_store_ps(am, _mm512_fmadd_ps(ue[mi * 16 + gi], w, _mm512_load_ps(am)));
                 }
             }
-            for (int mi = 0; mi < m; ++mi)
-                finish_block(acc + (size_t)mi * CHUNK_TILES * POSITIONS, svh + c * 128,
-                             y + (size_t)mi * n + c * 128);
+        }
+    }
+    for (int mi = 0; mi < m; ++mi)
+        finish_block(acc + (size_t)mi * CHUNK_TILES * POSITIONS, svh + c * 128, y + (size_t)mi * y_stride + c * 128);
+}
+
+// Work items: `units` (trellis, u rows, svh, y rows) x chunks, spread over the threads.
+struct Units {
+    const int16_t* trellis;
+    size_t trellis_stride;  // int16 words between units' trellises (0: one trellis)
+    const int* ids;         // per unit: which trellis/svh (nullptr: unit i uses i * stride; < 0: skip)
+    const float* u;
+    const float* svh;
+    size_t svh_stride;
+    float* y;
+    int units, m;  // m rows per unit
+};
+
+template <int CB>
+void gemv_units(const Units& w, int tiles_k, int tiles_n, const Rate& r, int threads) {
+    Groups g;
+    make_groups(r, g);
+    const int k = tiles_k * 16, n = tiles_n * 16, chunks = tiles_n / CHUNK_TILES;
+#pragma omp parallel num_threads(threads)
+    {
+        float* acc = (float*)_mm_malloc(sizeof(float) * w.m * CHUNK_TILES * POSITIONS, 64);
+        __m512* ue = (__m512*)_mm_malloc(sizeof(__m512) * w.m * 16, 64);
+#pragma omp for schedule(static)
+        for (int item = 0; item < w.units * chunks; ++item) {
+            const int unit = item / chunks, c = item % chunks;
+            const int e = w.ids ? w.ids[unit] : unit;
+            if (e < 0) continue;
+            gemv_chunk<CB>(w.trellis + (size_t)e * w.trellis_stride, tiles_k, tiles_n, r, g,
+                           w.u + (size_t)unit * w.m * k, w.m, c, acc, ue, w.svh + (size_t)e * w.svh_stride,
+                           w.y + (size_t)unit * w.m * n, n);
         }
         _mm_free(ue);
         _mm_free(acc);
@@ -241,32 +265,47 @@ void decode_impl(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r
 
 #else  // portable tier: the codebook as a 65536-entry fp32 table (exact: every entry is an fp16 value)
 
-void gemv_portable(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const float* lut,
-                   const float* u, int m, const float* svh, float* y, int threads) {
+struct Units {
+    const int16_t* trellis;
+    size_t trellis_stride;
+    const int* ids;
+    const float* u;
+    const float* svh;
+    size_t svh_stride;
+    float* y;
+    int units, m;
+};
+
+void gemv_units_portable(const Units& w, int tiles_k, int tiles_n, const Rate& r, const float* lut, int threads) {
     const int k = tiles_k * 16, n = tiles_n * 16, words16 = 2 * r.words32, chunks = tiles_n / CHUNK_TILES;
     int urow[POSITIONS];
     for (int p = 0; p < POSITIONS; ++p) urow[p] = row_of(p);
 #pragma omp parallel num_threads(threads)
     {
-        float* acc = new float[(size_t)m * CHUNK_TILES * POSITIONS];
-        float w[POSITIONS];
+        float* acc = new float[(size_t)w.m * CHUNK_TILES * POSITIONS];
+        float wt[POSITIONS];
 #pragma omp for schedule(static)
-        for (int c = 0; c < chunks; ++c) {
-            std::memset(acc, 0, sizeof(float) * m * CHUNK_TILES * POSITIONS);
+        for (int item = 0; item < w.units * chunks; ++item) {
+            const int unit = item / chunks, c = item % chunks;
+            const int e = w.ids ? w.ids[unit] : unit;
+            if (e < 0) continue;
+            const int16_t* trellis = w.trellis + (size_t)e * w.trellis_stride;
+            const float* u = w.u + (size_t)unit * w.m * k;
+            std::memset(acc, 0, sizeof(float) * w.m * CHUNK_TILES * POSITIONS);
             for (int tk = 0; tk < tiles_k; ++tk)
                 for (int ct = 0; ct < CHUNK_TILES; ++ct) {
                     const int tn = c * CHUNK_TILES + ct;
                     const uint32_t* U = (const uint32_t*)(trellis + ((size_t)tk * tiles_n + tn) * words16);
-                    for (int p = 0; p < POSITIONS; ++p) w[p] = lut[state_of(U, r, p)];
-                    for (int mi = 0; mi < m; ++mi) {
+                    for (int p = 0; p < POSITIONS; ++p) wt[p] = lut[state_of(U, r, p)];
+                    for (int mi = 0; mi < w.m; ++mi) {
                         const float* us = u + (size_t)mi * k + 16 * tk;
                         float* a = acc + ((size_t)mi * CHUNK_TILES + ct) * POSITIONS;
-                        for (int p = 0; p < POSITIONS; ++p) a[p] += us[urow[p]] * w[p];
+                        for (int p = 0; p < POSITIONS; ++p) a[p] += us[urow[p]] * wt[p];
                     }
                 }
-            for (int mi = 0; mi < m; ++mi)
-                finish_block(acc + (size_t)mi * CHUNK_TILES * POSITIONS, svh + c * 128,
-                             y + (size_t)mi * n + c * 128);
+            for (int mi = 0; mi < w.m; ++mi)
+                finish_block(acc + (size_t)mi * CHUNK_TILES * POSITIONS, w.svh + (size_t)e * w.svh_stride + c * 128,
+                             w.y + ((size_t)unit * w.m + mi) * n + c * 128);
         }
         delete[] acc;
     }
@@ -287,22 +326,42 @@ int exl3_cpu_tier() {
 #endif
 }
 
+static void run_units(const Units& w, int tiles_k, int tiles_n, int bits2, int codebook, const float* lut, int threads) {
+    Rate r;
+    make_rate(bits2, r);
+#if defined(EXL3_AVX512)
+    (void)lut;
+    if (codebook == CB_MUL1) gemv_units<CB_MUL1>(w, tiles_k, tiles_n, r, threads);
+    else if (codebook == CB_MCG) gemv_units<CB_MCG>(w, tiles_k, tiles_n, r, threads);
+    else gemv_units<CB_3INST>(w, tiles_k, tiles_n, r, threads);
+#else
+    (void)codebook;
+    gemv_units_portable(w, tiles_k, tiles_n, r, lut, threads);
+#endif
+}
+
 // y (m, n) fp32 = H(H(x ⊙ suh) · Ŵ) ⊙ svh, x (m, k) fp32; u (m, k) fp32 scratch. lut: the codebook as fp32
 // (read by the portable tier only). k, n multiples of 128.
 void exl3_cpu_gemv(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const float* lut,
                    const float* x, const float* suh, const float* svh, float* u, float* y, int m, int threads) {
-    Rate r;
-    make_rate(bits2, r);
     input_transform(x, suh, u, m, tiles_k * 16, threads);
-#if defined(EXL3_AVX512)
-    (void)lut;
-    if (codebook == CB_MUL1) gemv_impl<CB_MUL1>(trellis, tiles_k, tiles_n, r, u, m, svh, y, threads);
-    else if (codebook == CB_MCG) gemv_impl<CB_MCG>(trellis, tiles_k, tiles_n, r, u, m, svh, y, threads);
-    else gemv_impl<CB_3INST>(trellis, tiles_k, tiles_n, r, u, m, svh, y, threads);
-#else
-    (void)codebook;
-    gemv_portable(trellis, tiles_k, tiles_n, r, lut, u, m, svh, y, threads);
-#endif
+    const Units w{trellis, 0, nullptr, u, svh, 0, y, 1, m};
+    run_units(w, tiles_k, tiles_n, bits2, codebook, lut, threads);
+}
+
+// MoE units: unit i is one row x[i / x_div] through expert ids[i] (< 0: skipped, y row left as is) of stacked
+// trellises (E, k/16, n/16, w), suh (E, k) and svh (E, n) fp32: y (units, n) = H(H(x ⊙ suh_e) · Ŵ_e) ⊙ svh_e.
+void exl3_cpu_moe(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const float* lut,
+                  const float* x, int x_div, const int* ids, int units, const float* suh, const float* svh, float* u,
+                  float* y, int threads) {
+    const int k = tiles_k * 16, n = tiles_n * 16;
+#pragma omp parallel for num_threads(threads) schedule(static) if (units * k >= 16384)
+    for (int i = 0; i < units; ++i) {
+        if (ids[i] < 0) continue;
+        input_transform(x + (size_t)(i / x_div) * k, suh + (size_t)ids[i] * k, u + (size_t)i * k, 1, k, 1);
+    }
+    const Units w{trellis, (size_t)tiles_k * tiles_n * 8 * bits2, ids, u, svh, (size_t)n, y, units, 1};
+    run_units(w, tiles_k, tiles_n, bits2, codebook, lut, threads);
 }
 
 // Ŵ[:, 16*tn0 : 16*tn1] as fp32 into out (k, 16*(tn1-tn0)), row-major.

@@ -34,6 +34,7 @@ _I = ctypes.c_int
 _SIGNATURES = {
     "exl3_cpu_tier": ((), _I),
     "exl3_cpu_gemv": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I), None),
+    "exl3_cpu_moe": ((_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I), None),
     "exl3_cpu_decode": ((_P, _I, _I, _I, _I, _P, _I, _I, _P, _I), None),
     "exl3_cpu_output_transform": ((_P, _P, _P, _I, _I, _I), None),
     "exl3_cpu_input_transform": ((_P, _P, _P, _I, _I, _I), None),
@@ -133,3 +134,35 @@ class CpuLinear:
         out = torch.empty(self.size_k, self.size_n, dtype=torch.float32)
         self.decode_into(out, 0, self.tiles_n)
         return out
+
+
+class CpuExpertProjection:
+    """One projection of every expert, stacked: trellis (E, k/16, n/16, w), suh (E, k), svh (E, n). A call runs
+    any number of (row, expert) units in one library call: each unit is the one-pass GEMV of its expert."""
+
+    def __init__(self, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str) -> None:
+        if not trellis.is_contiguous():
+            raise ValueError("the CPU kernel reads the expert trellises as stored: they must be contiguous")
+        self.lib = library()
+        self.trellis = trellis
+        self.tiles_k, self.tiles_n = trellis.shape[1], trellis.shape[2]
+        self.size_k, self.size_n = 16 * self.tiles_k, 16 * self.tiles_n
+        self.bits2 = _bits2(bits)
+        self.codebook = CODEBOOKS.index(codebook)
+        self.suh = suh.float().contiguous()
+        self.svh = svh.float().contiguous()
+        self.lut = lut(codebook).float() if self.lib.exl3_cpu_tier() == 0 else None
+        self.lut_ptr = self.lut.data_ptr() if self.lut is not None else None
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int = 1) -> torch.Tensor:
+        """Unit i = row x[i // x_div] through expert ids[i] (< 0: another rank's, its row stays zero):
+        x (rows, k) -> y (len(ids), n) fp32."""
+        x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
+        ids = ids.to(torch.int32).contiguous()
+        units = ids.numel()
+        y = torch.zeros(units, self.size_n, dtype=torch.float32)
+        u = torch.empty(units, self.size_k, dtype=torch.float32)
+        self.lib.exl3_cpu_moe(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
+                              self.lut_ptr, x.data_ptr(), x_div, ids.data_ptr(), units, self.suh.data_ptr(),
+                              self.svh.data_ptr(), u.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y

@@ -88,3 +88,45 @@ def test_tier_choice_follows_cpu_flags():
     assert build.best_tier(frozenset(build.TIERS["avx512"][1])) == "avx512"
     assert build.best_tier(frozenset({"avx2", "fma", "f16c", "avx512f"})) == "avx2"
     assert build.best_tier(frozenset()) == "portable"
+
+
+class _Proj:
+    """The fields kernels/cpu/moe.py reads from plugin.moe.Projection."""
+
+    def __init__(self, size_k, size_n, bits=4, codebook="mul1"):
+        self.size_k, self.size_n, self.bits, self.codebook = size_k, size_n, bits, codebook
+        self.trellis_shape = (size_k // 16, size_n // 16, reference.words_per_tile(bits))
+        self.words = size_k * size_n * bits // 16
+
+
+def test_moe_units_match_a_per_expert_loop():
+    """Every (token, expert) unit of a verify step in two library calls, against the reference per expert."""
+    from exl3local.kernels.cpu.moe import CpuExperts
+
+    E, hidden, inter, top_k, tokens = 6, 256, 384, 3, 3
+    g = torch.Generator().manual_seed(3)
+    gate, up, down = (_layer(hidden, inter, 4, "mul1", seed=s) for s in (1, 2, 3))
+    w13 = torch.randint(-32768, 32768, (E, 2 * _Proj(hidden, inter).words), generator=g, dtype=torch.int16)
+    w13_suh = (torch.randn(E, 2, hidden, generator=g) * 0.1).half()
+    w13_svh = (torch.randn(E, 2, inter, generator=g) * 0.1).half()
+    w2 = torch.randint(-32768, 32768, (E, inter // 16, hidden // 16, 64), generator=g, dtype=torch.int16)
+    w2_suh, w2_svh = (torch.randn(E, inter, generator=g) * 0.1).half(), (torch.randn(E, hidden, generator=g) * 0.1).half()
+    proj = {"gate": _Proj(hidden, inter), "up": _Proj(hidden, inter), "down": _Proj(inter, hidden)}
+    experts = CpuExperts(w13, w13_suh, w13_svh, w2, w2_suh, w2_svh, proj)
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.tensor([[0, 5, 2], [3, -1, 5], [1, 1, 4]])[:, :top_k]  # -1: another rank's expert
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    got = experts.units(x, weights, ids)
+    half = w13.shape[1] // 2
+    want = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            row = x[t : t + 1]
+            gt = reference.linear(row, w13[e, :half].view(proj["gate"].trellis_shape), w13_suh[e, 0], w13_svh[e, 0], 4, "mul1")
+            ut = reference.linear(row, w13[e, half:].view(proj["up"].trellis_shape), w13_suh[e, 1], w13_svh[e, 1], 4, "mul1")
+            h = torch.nn.functional.silu(gt) * ut
+            want[t] += weights[t, j] * reference.linear(h, w2[e], w2_suh[e], w2_svh[e], 4, "mul1")[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
