@@ -15,6 +15,7 @@ from rich.console import Console
 from exl3local import env, manifest, paths, profiles
 from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import ENGINE_ALIVE
+from exl3local.commands.selftest import plugin_check
 from exl3local.daemon.plan import ENGINE_HOST, plugin_transients, port_free
 from exl3local.engine import apikey, model_fit
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
@@ -260,6 +261,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if not args.quick:
         with console.status(f"importing vLLM and the exl3 plugin in {python} (about 10 s; --quick skips it)"):
             check("engine", *_check_engine(python))
+        with console.status(f"building an EXL3 linear and MoE layer on the engine's device in {python}"):
+            for ok, name, detail in plugin_check(python):  # #20 self-check: vLLM range, plugin layers vs reference
+                check(name, ok, detail)
     try:
         machine = select(device=device)
         check("profile", True, f"{machine.profile.id}: {machine.reason}")

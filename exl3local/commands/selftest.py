@@ -23,6 +23,42 @@ from exl3local import env
 from exl3local.errors import Exl3Error
 
 SELFTEST_MODULE = "exl3local.kernels.selftest"
+PLUGIN_CHECK_MODULE = "exl3local.plugin.check"
+PLUGIN_CHECK_MARK = "EXL3CHECK "
+
+
+def plugin_check(python: str) -> list[tuple[bool | None, str, str]]:
+    """doctor's plugin section: (ok, name, detail) rows from plugin/check.py run in the engine's interpreter (one
+    EXL3 linear and one MoE layer built on the engine's device and run against the reference decoder)."""
+    with tempfile.TemporaryDirectory(prefix="exl3-doctor-") as trace_dir:
+        try:  # its kernel-path counters go to a temp dir, not the runtime dir a running engine's dashboard reads
+            proc = subprocess.run([python, "-P", "-m", PLUGIN_CHECK_MODULE], capture_output=True, text=True,
+                                  timeout=900, cwd="/", env={**os.environ, "VLLM_NO_USAGE_STATS": "1",
+                                                             env.TRACE_DIR.name: trace_dir})
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return [(False, "plugin", f"{python}: {exc}")]
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(PLUGIN_CHECK_MARK)), None)
+    if line is None:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        return [(False, "plugin", f"the plugin check did not run in {python}: {tail}")]
+    got = json.loads(line[len(PLUGIN_CHECK_MARK):])
+    ver = got["vllm"]
+    rows: list[tuple[bool | None, str, str]] = [
+        (bool(ver["supported"]), "vllm", f"vLLM {ver['vllm'] or 'not installed'}; the exl3 plugin serves with "
+         f"vLLM {ver['range']}" + ("" if ver["supported"] else ": `up` refuses this one"))]
+    for name, what in (("linear", "EXL3 linear"), ("moe", "EXL3 MoE layer")):
+        res = got[name]
+        if "errors" not in res:
+            rows.append((False, f"plugin {name}", f"building an {what} on {got['device']} failed: {res['error']}"))
+            continue
+        kernels = res.get("kernel") or ", ".join(res["kernels"])
+        errors = ", ".join(f"{path} {err:.1e}" for path, err in res["errors"].items())
+        extra = f"; grouped Triton MoE off: {res['grouped_refusal']}" if res.get("grouped_refusal") else ""
+        rows.append((bool(res["ok"]), f"plugin {name}", f"{what} ({res['bits']:g}-bit {res['codebook']}) on "
+                     f"{got['device']} via {kernels}: error vs reference {errors}{extra}"))
+    for path, why in got.get("refused", {}).items():
+        rows.append((None, "kernel path", f"{path} off: {why}"))
+    return rows
 
 
 def run_report(python: str, every_rate: bool, device: str | None, on_line=None) -> dict:
