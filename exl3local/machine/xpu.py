@@ -77,6 +77,11 @@ def affinity_index(gpu: Any, gpus: Sequence[Any], runtime: Runtime | None) -> in
     not list exactly as many devices of that id as sysfs has (then no index can be trusted)."""
     if runtime is None or gpu.device_id is None:
         return None
+    if runtime.devices and all(d.device_id is None for d in runtime.devices):
+        # A torch without device_id in its properties: only a one-for-one list in PCI order can be matched.
+        intel = [g for g in gpus if g.vendor == "intel" and g.driver in ("xe", "i915")]
+        same = len(intel) == len(runtime.devices) and gpu in intel
+        return runtime.devices[intel.index(gpu)].index if same else None
     twins = [g for g in gpus if g.vendor == "intel" and g.device_id == gpu.device_id and g.driver in ("xe", "i915")]
     seen = runtime.same_model(gpu.device_id)
     if gpu not in twins or len(seen) != len(twins):

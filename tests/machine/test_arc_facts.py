@@ -101,5 +101,9 @@ def test_device_indices_are_matched_by_pci_id(tmp_path):
     assert xpu.affinity_index(igpu, gpus, skipped) is None  # Level Zero does not list it
     one = xpu.Runtime("py", "t", (xpu.XpuDevice(**device(0, 0xE223, 1)),))
     assert xpu.affinity_index(card1, gpus, one) is None  # two cards in sysfs, one listed: no index is trusted
+    # a torch that does not report PCI ids: matched only when it lists exactly the GPUs sysfs has
+    anonymous = [xpu.XpuDevice(**(device(i, 0, 1) | {"device_id": None})) for i in range(3)]
+    assert xpu.affinity_index(card1, gpus, xpu.Runtime("py", "t", tuple(anonymous))) == 2
+    assert xpu.affinity_index(card1, gpus, xpu.Runtime("py", "t", tuple(anonymous[:2]))) is None
     dev = find_device(tree)
     assert [g.slot for g in dev.cards] == [card0.slot, card1.slot] and dev.affinity is None  # runtime not asked
