@@ -69,6 +69,9 @@ class MemorySnapshot:
         import psutil
 
         vm = psutil.virtual_memory()
+        blocks = _memory_blocks(root) if root != Path("/sys") else None
+        if blocks is not None:  # RAM size only: what is in use is this machine's, at most all of it
+            return cls(blocks, max(0, blocks - (int(vm.total) - int(vm.available))), limit)
         return cls(int(vm.total), int(vm.available), limit)
 
 
@@ -78,6 +81,22 @@ def _ttm_pages_limit(root: Path) -> int | None:
     except (OSError, ValueError):
         return None
     return pages * PAGE_BYTES if pages > 0 else None
+
+
+def _memory_blocks(root: Path) -> int | None:
+    """RAM from memory hotplug blocks: devices/system/memory/block_size_bytes (hex) x the blocks online."""
+    mem = root / "devices" / "system" / "memory"
+    try:
+        size = int((mem / "block_size_bytes").read_text().strip(), 16)
+    except (OSError, ValueError):
+        return None
+    online = 0
+    for state in mem.glob("memory*/state"):
+        try:
+            online += state.read_text().strip() == "online"
+        except OSError:
+            continue
+    return size * online if online else None
 
 
 def _node_meminfo(root: Path) -> tuple[int, int] | None:

@@ -27,6 +27,16 @@ def test_ram_and_the_ttm_limit_come_from_the_tree(tmp_path, ram, avail, ttm):
     assert gpu.memory_bytes == int(mem.total_bytes * 0.8) - 450 * 10**6
 
 
+def test_ram_from_memory_blocks_when_the_tree_has_no_node_meminfo(tmp_path):
+    mem = tmp_path / "sys" / "devices" / "system" / "memory"
+    for i in range(12):
+        (mem / f"memory{i}").mkdir(parents=True)
+        (mem / f"memory{i}" / "state").write_text("online\n" if i != 5 else "offline\n")
+    (mem / "block_size_bytes").write_text("80000000\n")  # 2 GiB blocks
+    snap = budget.MemorySnapshot.read(tmp_path / "sys")
+    assert snap.total_bytes == 11 * 2 * GiB and 0 <= snap.available_bytes <= snap.total_bytes
+
+
 @dataclass(frozen=True)
 class Group:
     size_k: int
