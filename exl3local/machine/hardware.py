@@ -288,6 +288,10 @@ def probe(sysfs_root: Path = SYSFS, *, use_udev: bool | None = None, mem_total_b
     runtime that can count them (torch.xpu in the engine interpreter); it only names the LNL part."""
     sysfs_root = Path(sysfs_root)
     real_sys = sysfs_root == SYSFS
+    if mem_total_bytes is None and not real_sys:
+        from exl3local.machine.budget import MemorySnapshot  # lazy: budget pulls in profiles; setup probes without them
+
+        mem_total_bytes = MemorySnapshot.read(sysfs_root).total_bytes  # an iGPU's share of *that* machine's RAM
     minors: dict[Path, dict[str, str]] = {}
     if use_udev is None:
         use_udev = real_sys
