@@ -48,6 +48,8 @@ class LaunchSpec:
     port: int
     served_model_name: str
     tmpdir: str  # private TMPDIR: vLLM leaves ZMQ sockets there; removed after the group exits
+    # vLLM's own Unix socket (`--uds`, in tmpdir): the daemon's endpoint on host:port forwards to it
+    uds: str | None = None
 
     @property
     def endpoint(self) -> str:
@@ -192,6 +194,7 @@ def build(
     gpus: Sequence[Any] = (),
     cards: Sequence[Any] = (),
     affinity: Sequence[int] | None = None,
+    uds: str | None = None,
 ) -> LaunchSpec:
     """model_dir: a local EXL3 checkpoint; profile: profiles.Profile; budget: budget.Budget;
     gpu/gpus: hardware.GpuInfo of the chosen device and of all devices (slot order); cards: the identical cards
@@ -200,7 +203,7 @@ def build(
     name = served_name or profile.model.get("served_name") or model_dir.name
     argv = [
         python, "-P", "-m", LAUNCHER_MODULE, "serve", str(model_dir),
-        "--host", host, "--port", str(port),
+        *(("--uds", uds) if uds else ("--host", host, "--port", str(port))),
         "--served-model-name", name,
         "--quantization", PLUGIN_NAME,
         "--max-model-len", str(budget.max_model_len),
@@ -236,7 +239,7 @@ def build(
         TRACE_DIR_ENV: str(Path(tmpdir) / "kernel-paths"),
         PARENT_PID_ENV: str(parent_pid if parent_pid is not None else os.getpid()),
     })
-    return LaunchSpec(argv=tuple(argv), env=env, host=host, port=port, served_model_name=name, tmpdir=tmpdir)
+    return LaunchSpec(argv=tuple(argv), env=env, host=host, port=port, served_model_name=name, tmpdir=tmpdir, uds=uds)
 
 
 def _die_with_parent() -> None:
