@@ -23,7 +23,11 @@ class EnvVar:
         return self.get().strip().lower() in {"1", "true", "yes", "on"}
 
 
-HOST = EnvVar("EXL3LOCAL_HOST", "127.0.0.1:11435", "daemon API address; loopback by default")
+HOST = EnvVar(
+    "EXL3LOCAL_HOST", "",
+    "daemon API address: empty = the Unix socket daemon.sock in the runtime dir; HOST:PORT = TCP there instead "
+    "(then only the API token guards it)",
+)
 TRACE_PATHS = EnvVar("EXL3LOCAL_TRACE_PATHS", "0", "print one line per EXL3 kernel path the first time it runs")
 TRACE_DIR = EnvVar(
     "EXL3LOCAL_TRACE_DIR", "", "where vLLM processes write kernel-path counters (default: <runtime dir>/kernel-paths)"

@@ -60,6 +60,11 @@ def lock_file() -> Path:
     return runtime_dir() / "daemon.lock"
 
 
+def daemon_socket() -> Path:
+    """The daemon API's Unix socket (0600, in the 0700 runtime dir: the file system keeps others off)."""
+    return runtime_dir() / "daemon.sock"
+
+
 def token_file() -> Path:
     """Secret for the daemon's mutating endpoints: other local users can reach 127.0.0.1 too."""
     return runtime_dir() / "api.token"

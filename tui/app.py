@@ -289,5 +289,5 @@ def make_dashboard(
     clock: Callable[[], float] = time.monotonic,
 ) -> Dashboard:
     """The one way to build the app, for `exl3local dash` and the tests. `api_url` defaults to
-    EXL3LOCAL_HOST (127.0.0.1:11435)."""
+    EXL3LOCAL_HOST (default: the Unix socket daemon.sock in the runtime dir)."""
     return Dashboard(AsyncDaemonClient(api_url), poll_s=poll_s, clock=clock)

@@ -17,7 +17,8 @@ def _cmd_dash(args: argparse.Namespace) -> int:
 
 def add_dash(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dash", help="live dashboard: engine state, tokens/s, memory, kernel paths, log")
-    p.add_argument("--host", default=None, help=f"daemon address (default {env.HOST.get()}, from {env.HOST.name}"
+    default = env.HOST.get() or "the Unix socket in the runtime dir"
+    p.add_argument("--host", default=None, help=f"daemon address (default {default}, from {env.HOST.name}"
                    f"{'' if env.HOST.name in os.environ else ' or its default'})")
     p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help="refresh interval (default 1)")
     p.set_defaults(handler=_cmd_dash)

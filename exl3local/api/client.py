@@ -1,11 +1,11 @@
 """DaemonClient: the only way the CLI, dashboard and tray talk to a running daemon (docs/api.md).
 
-The daemon serves a small JSON API on 127.0.0.1 (EXL3LOCAL_HOST). Status reads are open to
-local clients; mutating calls and the engine log carry the per-user token from
-`paths.token_file()`, which the client reads itself and sends only after checking that the
-process listening on the daemon address is this user's own daemon (the pid in its lock file, in
-the user-only runtime dir): another local user who took the port would otherwise collect the
-token. Errors come back as `{"error": {"type", "message", "hint"}}` and are raised here
+The daemon serves a small JSON API on a Unix socket in the user-only runtime dir (or on a TCP
+address when EXL3LOCAL_HOST names one). Mutating calls and the engine log carry the per-user token
+from `paths.token_file()`, which the client reads itself and sends only to this user's own daemon:
+the socket must be this user's file; on TCP, the process listening on the address must be the pid
+in the daemon's lock file (in the user-only runtime dir), since another local user who took the
+port would otherwise collect the token. Errors come back as `{"error": {"type", "message", "hint"}}` and are raised here
 as the same Exl3Error subclass, so the CLI prints them like local errors.
 
 Each operation is one `_Call` (method, path, arguments, how to read the answer), built once; the
@@ -14,6 +14,7 @@ synchronous and the asyncio client differ only in how they send it.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -85,9 +86,28 @@ def _logs(tail: int | None, offset: int | None) -> _Call:
     return _Call("GET", "/logs", lambda r: build(LogChunk, r.json()), {"params": params}, token=True)
 
 
+UDS_BASE_URL = "http://exl3local"  # the Host of requests over the Unix socket
+
+
 def _base_url(host: str | None) -> str:
+    """The daemon's address: `unix:/path/daemon.sock` (the default), or an http:// URL."""
     host = host or env.HOST.get()
-    return host if host.startswith(("http://", "https://")) else f"http://{host}"
+    if not host:
+        return f"unix:{paths.daemon_socket()}"
+    return host if host.startswith(("http://", "https://", "unix:")) else f"http://{host}"
+
+
+def check_own_socket(path: str) -> None:
+    """Raise DaemonUnavailable unless the socket at path is this user's file (it lives in the
+    user-only runtime dir; a socket owned by anyone else was not made by this user's daemon)."""
+    try:
+        owner = os.stat(path).st_uid
+    except OSError:
+        return  # nothing there: the request fails to connect and says so
+    if owner != os.getuid():
+        raise errors.DaemonUnavailable(
+            f"{path} belongs to uid {owner}, not to you; the API token was not sent",
+            hint="remove that socket; only your own exl3local daemon may create it")
 
 
 def _read_token() -> str | None:
@@ -162,7 +182,9 @@ def _engine_error(st: DaemonStatus) -> errors.EngineError:
 class _Core:
     """What both clients share: the address, the token, and turning a _Call into an answer."""
 
-    _HTTP: type[httpx.Client] | type[httpx.AsyncClient]  # the one thing the two clients differ in
+    # the one thing the two clients differ in
+    _HTTP: type[httpx.Client] | type[httpx.AsyncClient]
+    _UDS: type[httpx.HTTPTransport] | type[httpx.AsyncHTTPTransport]
 
     def __init__(
         self,
@@ -177,14 +199,21 @@ class _Core:
         self.base_url = _base_url(host)
         self._token = token
         self._check_listener = transport is None
-        self._http: Any = self._HTTP(base_url=self.base_url, timeout=timeout_s, transport=transport, trust_env=False)
+        self._socket = self.base_url.removeprefix("unix:") if self.base_url.startswith("unix:") else None
+        url = self.base_url
+        if self._socket is not None:
+            url = UDS_BASE_URL
+            transport = transport or self._UDS(uds=self._socket)
+        self._http: Any = self._HTTP(base_url=url, timeout=timeout_s, transport=transport, trust_env=False)
 
     def _request_args(self, call: _Call) -> tuple[str, str, dict[str, Any]]:
         options = dict(call.options)
         if call.token:
             token = self._token or _read_token()
             if token:
-                if self._check_listener:
+                if self._check_listener and self._socket is not None:
+                    check_own_socket(self._socket)
+                elif self._check_listener:
                     check_own_daemon(self.base_url)
                 options["headers"] = {TOKEN_HEADER: token}
         return call.method, PREFIX + call.path, options
@@ -211,6 +240,7 @@ class DaemonClient(_Core):
     answers, or the daemon's own Exl3Error subclass."""
 
     _HTTP = httpx.Client
+    _UDS = httpx.HTTPTransport
 
     def close(self) -> None:
         self._http.close()
@@ -296,6 +326,7 @@ class AsyncDaemonClient(_Core):
     """The same API for asyncio callers (the Textual dashboard's workers)."""
 
     _HTTP = httpx.AsyncClient
+    _UDS = httpx.AsyncHTTPTransport
 
     async def aclose(self) -> None:
         await self._http.aclose()

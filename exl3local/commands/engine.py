@@ -165,7 +165,8 @@ def _up_foreground(req: UpRequest) -> int:
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="serve a model (starts the daemon if needed); returns once it is READY",
-                       description=f"Serve a model. The daemon listens on {env.HOST.get()} ({env.HOST.name}); "
+                       description=f"Serve a model. The daemon listens on {env.HOST.get() or 'its Unix socket in the runtime dir'} "
+                       f"({env.HOST.name}); "
                        "a daemon started here inherits this environment (EXL3LOCAL_API_KEY_FILE: the endpoint's "
                        "API key).")
     p.add_argument("model", nargs="?", help="checkpoint directory or hub REPO[:REVISION] (default: the profile's)")

@@ -11,9 +11,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from exl3local import env, errors, paths
+from exl3local import errors, paths
 from exl3local.api.protocol import UpRequest
-from exl3local.daemon.server import Daemon
+from exl3local.daemon.server import Listen, serve
+from exl3local.daemon.service import Daemon
 from exl3local.engine.log import LOG_BACKUPS, LOG_MAX_BYTES
 
 
@@ -51,19 +52,10 @@ class InstanceLock:
             self.fd = None
 
 
-def split_host(value: str) -> tuple[str, int]:
-    value = value.removeprefix("http://")
-    host, _, port = value.rpartition(":")
-    try:
-        return host or "127.0.0.1", int(port)
-    except ValueError:
-        raise errors.ConfigError(f"EXL3LOCAL_HOST={value!r} is not HOST:PORT") from None
-
-
 LOG_LINE_MAX_CHARS = 2000
 # Libraries whose INFO lines are not the daemon's story: httpx logs one line per request the daemon
 # makes (every dashboard poll of /api/metrics scrapes vLLM), which filled daemon.log.
-QUIET_LOGGERS = ("httpx", "httpcore")
+QUIET_LOGGERS = ("httpx", "httpcore", "uvicorn")  # uvicorn: its start-up lines; warnings still pass
 
 
 class ClippedFormatter(logging.Formatter):
@@ -98,14 +90,14 @@ def run(*, foreground: bool = False, initial: UpRequest | None = None,
         raise errors.Exl3Error(f"an exl3local daemon is already running (pid {lock.holder()})",
                                hint="talk to it with `exl3local status`, or stop it with `exl3local down`")
     setup_logging(foreground)
-    host, port = split_host(env.HOST.get())
     try:
-        return asyncio.run(_main(Daemon(host=host, port=port), initial, on_ready))
+        return asyncio.run(_main(Daemon(), Listen(), initial, on_ready))
     finally:
         lock.release()
 
 
-async def _main(daemon: Daemon, initial: UpRequest | None, on_ready: Callable[[Daemon], None] | None) -> int:
+async def _main(daemon: Daemon, listen: Listen, initial: UpRequest | None,
+                on_ready: Callable[[Daemon], None] | None) -> int:
     async def bring_up() -> None:
         if initial is not None:
             try:
@@ -122,7 +114,7 @@ async def _main(daemon: Daemon, initial: UpRequest | None, on_ready: Callable[[D
         nonlocal task
         task = asyncio.get_running_loop().create_task(bring_up())
 
-    await daemon.serve(ready=started)
+    await serve(daemon, listen, ready=started)
     if task is not None and task.done() and not task.cancelled() and task.exception():
         raise task.exception()  # type: ignore[misc]
     return 0

@@ -25,6 +25,9 @@ from exl3local.models import store
 from exl3local.profiles import Profile, speculative_config
 
 ENGINE_HOST = "127.0.0.1"
+# vLLM serves on this Unix socket in its private 0700 temp dir; the daemon's endpoint on ENGINE_HOST:port
+# forwards to it (daemon/front.py). 12 bytes: within the room engine_tmpdir keeps for vLLM's own socket names.
+ENGINE_SOCKET = "engine.sock"
 # A dry run creates nothing: the engine's private temp dir is named, not made.
 DRY_RUN_TMPDIR = "/tmp/exl3local-XXXXXXXX"
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -165,7 +168,7 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     port = req.port or engine_port()
     if not check_port(ENGINE_HOST, port):
         busy = (f"port {port} on {ENGINE_HOST} is already in use (by {paths.port_holder(ENGINE_HOST, port)}), "
-                "so vLLM cannot listen there")
+                "so the endpoint cannot listen there")
         if not dry_run:
             raise errors.ConfigError(busy, hint=f"free port {port}, or choose another with `exl3local up --port N`")
         notes.append(busy)
@@ -173,7 +176,7 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     try:
         spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=ENGINE_HOST, gpu=machine.gpu,
                             gpus=device.gpus, cards=device.cards, affinity=device.affinity, python=engine_python,
-                            base_env=environ)
+                            base_env=environ, uds=os.path.join(tmpdir, ENGINE_SOCKET))
     except BaseException:
         if not dry_run:
             os.rmdir(tmpdir)  # a refused start (an unreadable key file) leaves no engine temp dir behind

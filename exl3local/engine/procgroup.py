@@ -28,9 +28,13 @@ async def http_health(spec: Any, timeout_s: float = 2.0) -> bool:
     """GET /health on the engine port answers 200. A bare HTTP/1.0 request: this runs every
     `liveness_poll_s` while READY, and an HTTP client per probe costs more than the probe."""
     writer = None
+    uds = getattr(spec, "uds", None)
     try:
         async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(spec.host, spec.port)
+            if uds:
+                reader, writer = await asyncio.open_unix_connection(uds)
+            else:
+                reader, writer = await asyncio.open_connection(spec.host, spec.port)
             writer.write(f"GET /health HTTP/1.0\r\nHost: {spec.host}:{spec.port}\r\n\r\n".encode())
             status_line = await reader.readline()
         return status_line.split(b" ", 2)[1:2] == [b"200"]
@@ -42,7 +46,10 @@ async def http_health(spec: Any, timeout_s: float = 2.0) -> bool:
 
 
 def engine_listener(spec: Any, pgid: int) -> str | None:
-    """None when a process of the engine's group listens on the engine port; else who does."""
+    """None when a process of the engine's group listens on the engine port; else who does. An
+    engine on a Unix socket in its own 0700 temp dir has no port another user could take."""
+    if getattr(spec, "uds", None):
+        return None
     if any(paths.listens(pid, spec.host, spec.port) for pid in group_members(pgid)):
         return None
     return paths.port_holder(spec.host, spec.port)

@@ -255,7 +255,8 @@ class Supervisor:
     async def _run(self) -> None:
         try:
             while True:
-                holder = self.port_check(self.spec.host, self.spec.port)
+                # an engine on its private Unix socket has no port (the daemon's endpoint holds that one)
+                holder = None if getattr(self.spec, "uds", None) else self.port_check(self.spec.host, self.spec.port)
                 if holder is not None:
                     # Not a crash to retry: whatever holds the port would answer our users.
                     self.exit_status = None

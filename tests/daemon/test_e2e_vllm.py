@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +69,68 @@ def test_status_is_ready_with_the_kv_budget_and_metrics_pass_through(served):
     # the plugin's kernel-path counters, written by the worker into this engine's trace dir
     kernels = httpx.get(f"http://127.0.0.1:{served.daemon_port}/api/kernels").json()
     assert kernels["processes"] >= 1 and sum(p["calls"] for p in kernels["paths"]) > 0
+
+
+def _running(box) -> float:
+    """vllm:num_requests_running, through the daemon's /api/metrics."""
+    text = httpx.get(f"http://127.0.0.1:{box.daemon_port}/api/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+def _stream(box, max_tokens: int):
+    body = {"model": TINY, "prompt": "import os\n", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    return httpx.stream("POST", f"http://127.0.0.1:{box.engine_port}/v1/completions", json=body, timeout=120)
+
+
+def test_the_daemon_owns_the_endpoint_and_vllm_listens_on_no_port(served):
+    st = _status(served)
+    leader = psutil.Process(st["engine_pid"])
+    group = [leader, *leader.children(recursive=True)]
+    assert not [c for p in group for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    daemon = psutil.Process(st["daemon_pid"])
+    assert served.engine_port in {c.laddr.port for c in daemon.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def test_a_stream_passes_through_chunk_by_chunk_under_a_status_poll_storm(served):
+    stop = threading.Event()
+    polls: list[int] = []
+
+    def storm() -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{served.daemon_port}", timeout=30) as client:
+            while not stop.is_set():
+                polls.append(client.get("/api/status").status_code)
+                client.get("/api/metrics")
+
+    pollers = [threading.Thread(target=storm) for _ in range(4)]
+    for t in pollers:
+        t.start()
+    try:
+        with _stream(served, 48) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    finally:
+        stop.set()
+        for t in pollers:
+            t.join()
+    assert events[-1] == "data: [DONE]" and len(events) >= 48  # one event per token, then [DONE]
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert text and len(polls) > 20 and set(polls) == {200}
+
+
+def test_a_client_that_goes_away_mid_stream_aborts_its_engine_request(served):
+    with _stream(served, 4000) as resp:
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        assert _running(served) == 1  # generating 4000 tokens: minutes on this machine
+        closed = time.monotonic()
+    # the connection is closed here; vLLM must stop generating for it
+    while _running(served) != 0:
+        assert time.monotonic() - closed < 30, "the engine kept generating for a client that left"
+        time.sleep(0.2)
+    print(f"engine request aborted {time.monotonic() - closed:.2f} s after the client left")
 
 
 def test_kill9_of_vllm_is_restarted_and_answers_again(served):

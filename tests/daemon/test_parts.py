@@ -14,7 +14,7 @@ from exl3local import paths
 from exl3local.api.protocol import EngineState, UpRequest
 from exl3local.daemon import plan
 from exl3local.daemon.main import InstanceLock
-from exl3local.daemon.server import Daemon
+from exl3local.daemon.service import Daemon
 from exl3local.errors import ConfigError
 from exl3local.machine import hardware
 

@@ -3,7 +3,7 @@
 
 - STANDIN_MODE=ok (default): prints loading lines, starts a child process in its group that keeps
   stdout open (as vLLM's EngineCore does), then serves /health, /metrics and /v1/models on
-  --host/--port. SIGTERM ends it and its child, like vLLM's own handler.
+  --uds PATH (or --host/--port). SIGTERM ends it and its child, like vLLM's own handler.
   STANDIN_LOAD_S: seconds of "loading" before the port is bound (default 0.3).
   GET /chatty prints 256 KiB before answering: an engine whose output is not drained blocks there.
 - STANDIN_MODE=crash: prints a traceback tail and exits 1 at start (the same error every start).
@@ -34,8 +34,9 @@ def main() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
     launch._die_with_parent()  # the real launcher's first step: die with the daemon
     argv = sys.argv[1:]
-    host = argv[argv.index("--host") + 1]
-    port = int(argv[argv.index("--port") + 1])
+    uds = argv[argv.index("--uds") + 1] if "--uds" in argv else None  # vLLM's Unix socket, as the daemon asks
+    host = None if uds else argv[argv.index("--host") + 1]
+    port = None if uds else int(argv[argv.index("--port") + 1])
     mode = os.environ.get("STANDIN_MODE", "ok")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     with open(os.environ["STANDIN_LOG"], "a") as log:
@@ -80,6 +81,16 @@ def main() -> None:
         def log_message(self, *args: object) -> None:
             print("INFO standin: request", self.path, flush=True)
 
+    if uds:
+        class UnixServer(HTTPServer):
+            address_family = socket.AF_UNIX
+
+            def server_bind(self) -> None:  # no host/port to record
+                self.socket.bind(self.server_address)
+
+        Handler.address_string = lambda self: "unix"  # type: ignore[method-assign]
+        print(f"INFO standin: serving on {uds}", flush=True)
+        UnixServer(uds, Handler).serve_forever()
     print(f"INFO standin: serving on {host}:{port}", flush=True)
     HTTPServer((host, port), Handler).serve_forever()
 

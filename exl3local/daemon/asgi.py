@@ -1,0 +1,72 @@
+"""uvicorn inside the daemon's own event loop, for its two listeners (the API and the endpoint): on a
+socket the daemon bound itself, without uvicorn's signal handling (the daemon owns SIGTERM/SIGINT),
+its access log, or a connection that may stay silent forever."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+MAX_HEADER_BYTES = 16 * 1024  # request line + headers still incomplete past this: 400, connection closed
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol, with its keep-alive timer also armed on a new connection: uvicorn
+    arms it only after an answer, so a client that connects and sends nothing (or trickles its
+    headers) would hold the connection forever."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Served:
+    """One app served on one bound, listening socket until close()."""
+
+    def __init__(self, app: Any, sock: socket.socket, *, idle_timeout_s: float, own_headers: bool = True) -> None:
+        """own_headers=False: no Server/Date headers of ours (the endpoint passes vLLM's on unchanged)."""
+        config = uvicorn.Config(app, http=_Protocol, lifespan="off", access_log=False, log_config=None,
+                                server_header=own_headers, date_header=own_headers,
+                                timeout_keep_alive=max(int(idle_timeout_s), 1),
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=2)
+        self.sock = sock
+        self.server = _Server(config)
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+
+    async def started(self) -> None:
+        while not self.server.started and not self.task.done():
+            await asyncio.sleep(0.01)
+        if self.task.done():
+            self.task.result()  # its error, if it failed to start
+
+    async def close(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self.task
+        self.sock.close()
+
+
+def tcp_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port; OSError when it is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine
+        sock.bind((host, port))
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock

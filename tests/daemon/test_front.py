@@ -1,0 +1,35 @@
+"""The endpoint the daemon owns (daemon/front.py), with real daemon and stand-in engine processes: the
+API key is checked at the front before anything reaches the engine, and the front answers in OpenAI's
+error shape when there is no READY engine behind it."""
+
+from __future__ import annotations
+
+import httpx
+
+TINY = "tiny-llama-exl3-4.0bpw"
+KEY = "sk-front-3b9d0c"
+
+
+def test_the_api_key_is_enforced_at_the_front(box, tiny_models, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    box.env["EXL3LOCAL_API_KEY_FILE"] = str(key_file)
+    assert box.cli("up", str(tiny_models[TINY])).returncode == 0
+    url = f"http://127.0.0.1:{box.engine_port}/v1/models"
+    # the stand-in engine checks no key: a refusal can only come from the daemon's front
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "standin"
+    assert httpx.get(f"http://127.0.0.1:{box.engine_port}/health").status_code == 200  # open, as in vLLM
+
+
+def test_a_stopped_engine_is_a_503_in_openai_shape_and_the_port_stays_held(box, tiny_models):
+    assert box.cli("up", str(tiny_models[TINY])).returncode == 0
+    base = f"http://127.0.0.1:{box.daemon_port}/api"
+    assert httpx.post(f"{base}/stop", headers={"X-Exl3local-Token": box.token()}, timeout=60).status_code == 200
+    answer = httpx.get(f"http://127.0.0.1:{box.engine_port}/v1/models")
+    assert answer.status_code == 503 and "retry-after" not in answer.headers
+    error = answer.json()["error"]
+    assert error["message"].startswith("the engine is STOPPED") and error["code"] == 503 and error["type"]
