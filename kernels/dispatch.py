@@ -9,8 +9,9 @@ prepares and applies in one go (tests, benches, one-off use).
     path = kernel.path_for(rows)              # KernelPath for the trace, no side effects
     y = kernel.apply(x, trellis, suh, svh, bias)
 
-Layers that run many times bind their tensors once (kernels/bound.py): `bind_linear(parts, in_features,
-bias)` returns a callable x -> y that launches one fused kernel per part for decode batches.
+Layers that run many times bind their tensors once (kernels/bound.py): `BoundLinear(parts, in_features,
+bias)` is a callable x -> y that launches one fused kernel per part for decode batches; `bind_moe` does
+the same for one MoE projection.
 """
 
 from __future__ import annotations
