@@ -1,6 +1,7 @@
 """EXL3 vs bf16 end to end on the CPU engine: offline vLLM, batch 1, one synthetic Llama-shaped model in both forms.
 
     python -P bench/cpu_decode.py [--layers 4] [--hidden 2048] [--intermediate 5632] [--bits 4] [--out DIR]
+    python -P bench/cpu_decode.py --model DIR     # an EXL3 checkpoint: kernels/cpu vs the reference decoder
 
 The EXL3 checkpoint (mul1, every linear of every layer a random trellis, lm_head left bf16 in both) and its bf16
 twin (the same weights decoded) are written with tests/support/exl3_writer.py's group helpers. Each
@@ -132,7 +133,7 @@ def child(model: str, out: str) -> None:
     for _ in range(3):
         decode.append((run(short, 128) - run(short, 1)) / 127)
     prefill = min(run(long, 1) for _ in range(2))
-    result = {"model": model, "load_s": load_s, "rss_growth": rss() - before, "rss_after_load": loaded - before,
+    result = {"model": model, "threads": torch.get_num_threads(), "load_s": load_s, "rss_growth": rss() - before, "rss_after_load": loaded - before,
               "decode_s_per_token": min(decode), "decode_tok_s": 1 / min(decode),
               "prefill_s": prefill, "prefill_tok_s": 512 / prefill}
     Path(out).write_text(json.dumps(result))
@@ -186,6 +187,25 @@ def read_bandwidth() -> float:
     return 3 * a.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
+def compare_kernels(model: Path) -> None:
+    """One EXL3 checkpoint (e.g. a tiny test fixture) served through kernels/cpu, then through the reference
+    decoder (EXL3LOCAL_DISABLED_KERNELS=CpuLinearKernel): the speed-up every end-to-end test sees."""
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="cpu-decode-") as tmp:
+        for name, disabled in (("cpu", ""), ("reference", "CpuLinearKernel")):
+            out = Path(tmp) / f"{name}.json"
+            env = {**os.environ, "EXL3LOCAL_DISABLED_KERNELS": disabled}
+            subprocess.run([sys.executable, "-P", __file__, "--child", str(model), str(out)], check=True,
+                           cwd=tempfile.gettempdir(), env=env)
+            results[name] = r = json.loads(out.read_text())
+            print(f"{model.name} via {name}: decode {r['decode_tok_s']:.2f} tok/s, prefill-512 {r['prefill_tok_s']:.1f} "
+                  f"tok/s, load {r['load_s']:.1f} s", flush=True)
+    c, r = results["cpu"], results["reference"]
+    print(f"cpu/reference: decode {c['decode_tok_s'] / r['decode_tok_s']:.1f}x, "
+          f"prefill-512 {c['prefill_tok_s'] / r['prefill_tok_s']:.1f}x")
+    print(json.dumps(results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -197,24 +217,37 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--out", type=Path, help="keep the checkpoints and results here (default: a temp dir)")
     parser.add_argument("--skip-linears", action="store_true")
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both engines (vLLM then keeps torch at that "
+                        "count; by default it serves with one thread)")
+    parser.add_argument("--model", type=Path, help="instead: this EXL3 checkpoint, CPU kernel vs reference decoder")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(*args.child)
         return
+    if args.model:
+        compare_kernels(args.model)
+        return
     cfg = llama_config(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
     with tempfile.TemporaryDirectory(prefix="cpu-decode-") as tmp:
         root = args.out or Path(tmp)
         t0 = time.perf_counter()
-        exl3, bf16 = write_models(root / "models", cfg, args.bits)
-        print(f"checkpoints written in {time.perf_counter() - t0:.0f} s", flush=True)
+        if (root / "models" / "bf16" / "config.json").is_file():  # --out of an earlier run with the same flags
+            exl3, bf16 = root / "models" / "exl3", root / "models" / "bf16"
+        else:
+            exl3, bf16 = write_models(root / "models", cfg, args.bits)
+            print(f"checkpoints written in {time.perf_counter() - t0:.0f} s", flush=True)
+        env = dict(os.environ)
+        if args.threads:
+            env["OMP_NUM_THREADS"] = str(args.threads)
         results = {}
         for name, path in (("bf16", bf16), ("exl3", exl3)):
             out = root / f"{name}.json"
-            subprocess.run([sys.executable, "-P", __file__, "--child", str(path), str(out)], check=True, cwd=tempfile.gettempdir())
+            subprocess.run([sys.executable, "-P", __file__, "--child", str(path), str(out)], check=True,
+                           cwd=tempfile.gettempdir(), env=env)
             results[name] = json.loads(out.read_text())
             r = results[name]
-            print(f"{name}: decode {r['decode_tok_s']:.2f} tok/s, prefill-512 {r['prefill_tok_s']:.1f} tok/s, "
+            print(f"{name} ({r['threads']} threads): decode {r['decode_tok_s']:.2f} tok/s, prefill-512 {r['prefill_tok_s']:.1f} tok/s, "
                   f"RSS growth {r['rss_growth'] / 2**20:.0f} MiB (after load {r['rss_after_load'] / 2**20:.0f}), "
                   f"load {r['load_s']:.1f} s", flush=True)
     e, b = results["exl3"], results["bf16"]

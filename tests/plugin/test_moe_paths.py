@@ -128,8 +128,10 @@ def test_every_path_matches_the_per_expert_reference_loop(experts, ckpt, path, t
     got = method.run_path(layer, path, x, weights, ids)
     sample = slice(0, min(tokens, 12))  # the Python reference loop is slow; its rows are independent
     want = reference_moe(ckpt, layer.layer_name, x[sample], weights[sample], ids[sample])
-    if exact:  # the same per-row arithmetic in the same order
+    if exact and layer.exl3_experts.kernels["gate"].backend == "reference":  # same arithmetic, same order
         assert torch.equal(got[sample], want)
+    elif exact:  # kernels/cpu's units: the same math in another fp32 summation order
+        torch.testing.assert_close(got[sample], want, rtol=1e-5, atol=1e-6)
     else:  # grouped GEMM rows / dense reconstruction: fp32 summation order differs
         torch.testing.assert_close(got[sample], want, rtol=1e-4, atol=1e-5)
 
@@ -214,12 +216,27 @@ def test_loading_never_allocates_dense_expert_weights(loaded, experts, tiny_mode
         assert all(not p.is_floating_point() or p.dtype == torch.float16 and p.dim() <= 3 and p.shape[-1] <= hidden for p in params.values())
 
 
-def test_decode_on_cpu_keeps_the_per_expert_path_and_says_why(experts):
+def test_decode_on_cpu_runs_the_cpu_units_not_a_loop_over_experts(experts, ckpt, monkeypatch):
     from exl3local.plugin import trace
 
     layer = experts[0]
-    assert layer.exl3_moe_refusal == "the dispatch chose TorchReferenceKernel for gate"
+    assert layer.exl3_moe_refusal == "the dispatch chose CpuLinearKernel for gate"
     assert trace.counters().snapshot()["flags"]["moe_decode_refused"] == layer.exl3_moe_refusal
+    assert layer.exl3_experts.cpu is not None
+
+    def no_per_expert_loop(*args, **kwargs):
+        raise AssertionError("decode/verify went through the per-expert loop")
+
+    monkeypatch.setattr(layer.exl3_experts, "expert", no_per_expert_loop)
+    for tokens in (1, 3):
+        x, weights, ids = routing(tokens, seed=5)
+        ids[0, 1] = -1  # another rank's expert: contributes nothing
+        path = KernelPath.MOE_DECODE if tokens == 1 else KernelPath.MOE_VERIFY
+        got = layer.quant_method.run_path(layer, path, x, weights, ids)
+        keep = weights.clone()
+        keep[0, 1] = 0
+        want = reference_moe(ckpt, layer.layer_name, x, keep, torch.where(ids < 0, 0, ids))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_triton_moe_refuses_gate_and_up_of_different_bits(experts):
@@ -246,7 +263,7 @@ def test_forced_triton_moe_kernel_matches_the_per_expert_reference_loop(experts,
     method = layer.quant_method
     chosen = "triton_moe.moe_decode moe"
     before = trace.counters().snapshot()["layers"].get(chosen, 0)
-    monkeypatch.setenv("EXL3LOCAL_DISABLED_KERNELS", "TorchReferenceKernel")
+    monkeypatch.setenv("EXL3LOCAL_DISABLED_KERNELS", "CpuLinearKernel,TorchReferenceKernel")
     try:
         method.process_weights_after_loading(layer)
         assert layer.exl3_moe_refusal is None
