@@ -25,6 +25,7 @@ from exl3local.api.protocol import DaemonStatus, EngineState, UpRequest
 from exl3local.daemon import main as daemon_main
 from exl3local.daemon.server import Daemon
 from exl3local.commands.progress import UpProgress
+from exl3local.commands.selftest import kernel_notes
 from exl3local.desktop import service
 from exl3local.engine import apikey
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
@@ -91,6 +92,12 @@ def ensure_daemon(client: Any) -> None:
                     hint=f"see {paths.daemon_log()}")
 
 
+DEMO_NOTE = ("The demo model is a tiny test checkpoint: it writes nonsense by design, and checks the plumbing (the "
+             "endpoint, tool calls, keys, the dashboard).\nFor a real model: `exl3local up` serves this machine's "
+             "profile's default model (asking before the download), or `exl3local pull REPO[:REVISION]`, then "
+             "`exl3local up REPO`.")
+
+
 def _print_ready(st: Any) -> None:
     kv = f"KV {format_bytes(st.kv_budget_bytes)} = {st.kv_budget_tokens} tokens" if st.kv_budget_bytes else "KV -"
     print(f"READY  {st.model}  (profile {st.profile}, {st.gpu.name if st.gpu else '?'}, {kv})")
@@ -133,6 +140,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         finally:
             progress.done()
     _print_ready(st)
+    if req.demo:
+        print(DEMO_NOTE)
     return 0
 
 
@@ -174,7 +183,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help=f"port of the OpenAI endpoint on 127.0.0.1 (default {env.ENGINE_PORT.get()}"
                    f"{', from ' if env.ENGINE_PORT.name in os.environ else ': set '}{env.ENGINE_PORT.name})")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one profile setting (repeatable)")
-    p.add_argument("--demo", action="store_true", help="serve the tiny EXL3 demo model bundled in the package")
+    p.add_argument("--demo", action="store_true", help="serve the tiny EXL3 demo model bundled in the package (it writes "
+                   "nonsense by design: a plumbing check)")
     p.add_argument("--foreground", action="store_true", help="run the daemon in this terminal; Ctrl-C stops all")
     p.add_argument("--dry-run", action="store_true", help="print the engine command line, environment, KV budget "
                    "and profile reasons; start nothing (EXL3LOCAL_SYSFS may point at another machine's tree)")
@@ -228,7 +238,9 @@ def _add_down(sub: argparse._SubParsersAction) -> None:
 def format_status(st: DaemonStatus) -> str:
     gpu = st.gpu
     rows = [
-        ("state", st.state.value + (f" (retry in {st.retry_in_s:.0f}s)" if st.retry_in_s else "")),
+        ("state", st.state.value + (f" (retry in {st.retry_in_s:.0f}s)" if st.retry_in_s else "")
+         + (f" since {time.strftime('%H:%M:%S', time.localtime(st.idle_since))}, "
+            f"{format_bytes(st.idle_freed_bytes)} freed; the next request starts it" if st.idle_since else "")),
         ("model", st.model or "-"),
         ("served as", st.served_model_name or "-"),
         ("profile", st.profile or "-"),
@@ -243,6 +255,8 @@ def format_status(st: DaemonStatus) -> str:
         ("engine pid", f"{st.engine_pid}  RSS {format_bytes(st.engine_rss_bytes)}" if st.engine_pid else "-"),
         ("uptime", format_duration(st.uptime_s)),
         ("restarts", str(st.restarts)),
+        ("keep-alive", "never unloaded" if st.keep_alive_s is None else f"unloaded after {format_duration(st.keep_alive_s)} "
+         "without a request"),
         ("daemon", f"pid {st.daemon_pid}, up {format_duration(st.daemon_uptime_s)}"),
     ]
     if st.last_error:
@@ -270,7 +284,10 @@ def _key_state(required: bool | None) -> str:
 def _cmd_status(args: argparse.Namespace) -> int:
     with DaemonClient() as client:
         st = client.status()
+        off = [] if args.json else kernel_notes(client)  # #20 self-check: kernel paths out of service, and why
     print(json.dumps(st.raw, indent=2) if args.json else format_status(st))
+    for line in off:
+        print(line)
     return 0
 
 

@@ -16,8 +16,9 @@ import re
 from collections.abc import Iterable
 
 # starlette is vLLM's web framework: this module runs only inside the engine, never in the daemon.
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Send
 
 from exl3local.engine.launch import CORS_ORIGINS_ENV
 
@@ -43,3 +44,18 @@ class LocalOrigins(CORSMiddleware):
         patterns = json.loads(os.environ.get(CORS_ORIGINS_ENV) or "[]")
         super().__init__(app, allow_origin_regex=origin_regex(patterns), allow_methods=["*"], allow_headers=["*"],
                          max_age=600)
+
+    async def send(self, message: Message, send: Send, request_headers: Headers) -> None:
+        # vLLM's own CORS layer (inside this one) already said `Vary: Origin`; say each name once
+        async def vary_once(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                headers = MutableHeaders(scope=msg)
+                names: dict[str, str] = {}
+                for value in headers.getlist("vary"):
+                    for name in filter(None, (n.strip() for n in value.split(","))):
+                        names.setdefault(name.lower(), name)
+                if names:
+                    headers["vary"] = ", ".join(names.values())
+            await send(msg)
+
+        await super().send(message, vary_once, request_headers)

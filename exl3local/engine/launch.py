@@ -31,6 +31,8 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 # The endpoint's CORS layer (engine/cors.py), loaded into vLLM's API server; its origins travel in the env.
 CORS_MIDDLEWARE = "exl3local.engine.cors.LocalOrigins"
 CORS_ORIGINS_ENV = env.CORS_ORIGINS.name
+TOOLS_OFF_MIDDLEWARE = "exl3local.engine.tools_off.ToolsOffHint"
+WARMUP_MIDDLEWARE = "exl3local.engine.warmup.WarmUpBeforeReady"
 # The endpoint's API key: read from the daemon's environment at each start and handed to vLLM in its own
 # environment (VLLM_API_KEY), never on its command line, where `ps` and vLLM's logged arguments show it.
 API_KEY_FILE_ENV = env.API_KEY_FILE.name
@@ -219,6 +221,9 @@ def build(
     origins = list(profile.endpoint.get("cors_origins", ()))
     if origins:
         argv += ["--middleware", CORS_MIDDLEWARE]
+    if not profile.vllm.get("tool_call_parser"):
+        argv += ["--middleware", TOOLS_OFF_MIDDLEWARE]  # vLLM's 400 for `tools` names its flags; ours, our switch
+    argv += ["--middleware", WARMUP_MIDDLEWARE]  # /health says 200 once the first logprobs compile is done
     env = dict(os.environ if base_env is None else base_env)
     key = api_key(env)
     env.pop(API_KEY_ENV, None)  # vLLM reads its own name; ours need not travel further

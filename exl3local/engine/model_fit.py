@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from exl3local import profiles
+from exl3local import env, profiles
+from exl3local.errors import ConfigError
 from exl3local.engine import launch, textonly
 from exl3local.manifest import Manifest, text_config
 
@@ -44,12 +45,23 @@ def is_hybrid(man: Manifest) -> bool:
     return isinstance(types, list) and any("linear" in str(t) for t in types)
 
 
-def torchvision_missing(python: str) -> bool:
-    """Whether the engine's interpreter lacks torchvision (it may not be this one: EXL3LOCAL_ENGINE_PYTHON)."""
+PROBE_TIMEOUT_S = 60.0
+
+
+def torchvision_missing(python: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the engine's interpreter lacks torchvision (it may not be this one: EXL3LOCAL_ENGINE_PYTHON).
+    An interpreter that cannot be run, or does not answer, is a ConfigError naming it (not a daemon 500)."""
     if python == sys.executable:
         return textonly.torchvision_missing()
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)"
-    return subprocess.run([python, "-P", "-c", probe], capture_output=True, timeout=60).returncode != 0
+    try:
+        return subprocess.run([python, "-P", "-c", probe], capture_output=True, timeout=timeout_s).returncode != 0
+    except subprocess.TimeoutExpired:
+        why = f"did not answer within {timeout_s:g} s"
+    except OSError as exc:
+        why = f"cannot be run ({exc.strerror or exc})"
+    raise ConfigError(f"the engine's Python {python} {why} (asked whether it has torchvision)",
+                      hint=f"check {env.ENGINE_PYTHON.name}, or unset it to run vLLM with the daemon's own Python")
 
 
 # What a chat template renders for tool calls → vLLM's parser for that format (vLLM 0.32 names), first match.
@@ -87,18 +99,19 @@ def _vocab_has(model_dir: Path, tokens: tuple[str, ...]) -> bool:
 def choose_parsers(man: Manifest, profile: profiles.Profile) -> Parsers:
     """The tool-call and reasoning parsers for this checkpoint: the profile's (a user's `--set`) when it names
     them, else from its chat template; none, and a note saying how to turn tools on, when nothing matches."""
-    template = launch.chat_template(man.path) or ""
+    own = launch.chat_template(man.path)
+    # what vLLM is given: the checkpoint's template, else launch passes exl3local's fallback
+    template = own or launch.FALLBACK_CHAT_TEMPLATE.read_text()
+    source = "the chat template" if own else "exl3local's fallback chat template"
     notes: list[str] = []
     tool = profile.vllm.get("tool_call_parser")
     if tool:
         notes.append(f"tool calls: {tool} parser (set in the profile)")
-    elif not template:
-        notes.append(f"tool calls off (the checkpoint has no chat template): {TOOLS_HOW_TO}")
     else:
         hit = next(((name, what) for markers, name, what in TOOL_FORMATS if all(m in template for m in markers)), None)
         if hit:
             tool = hit[0]
-            notes.append(f"tool calls: {tool} parser (the chat template writes {hit[1]})")
+            notes.append(f"tool calls: {tool} parser ({source} writes {hit[1]})")
         else:
             kind = text_config(man.config).get("model_type") or man.architecture
             notes.append(f"tool calls off (no known tool-call format in the chat template of this {kind} model): "

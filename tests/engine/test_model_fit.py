@@ -14,6 +14,7 @@ import pytest
 from exl3local import manifest, profiles
 from exl3local.engine import launch, model_fit, textonly
 from exl3local.machine import budget, hardware
+from exl3local.errors import ConfigError
 
 def _pinned_budget() -> budget.Budget:
     return budget.Budget(kv_budget_bytes=2**26, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=256, pinned=True)
@@ -57,7 +58,9 @@ def test_without_torchvision_the_engine_gets_the_stand_in_and_multimodal_models_
     assert "language_model_only" not in text.profile.vllm and besides_parsers(text.notes) == ()
     assert text.profile.env["PYTHONPATH"].startswith(str(textonly.SHIM_DIR))
     untouched = fit(tiny_models, "tiny-qwen35moe-vl-exl3-4.0bpw", {}, torchvision_missing=False)
-    assert untouched.profile == profiles.load("cpu") and besides_parsers(untouched.notes) == ()
+    parsers = ("tool_call_parser", "enable_auto_tool_choice")  # the fallback chat template's hermes tool calls
+    assert {k: v for k, v in untouched.profile.vllm.items() if k not in parsers} == dict(profiles.load("cpu").vllm)
+    assert untouched.profile.env == profiles.load("cpu").env and besides_parsers(untouched.notes) == ()
 
     man = manifest.read(tiny_models["tiny-qwen35moe-vl-exl3-4.0bpw"])
     bud = budget.compute(hardware.cpu_device(24 * 2**30), budget.MemorySnapshot(24 * 2**30, 20 * 2**30), man,
@@ -125,9 +128,11 @@ def test_an_unknown_format_keeps_tools_off_and_says_how_to_turn_them_on(tiny_mod
     assert not {"tool_call_parser", "enable_auto_tool_choice"} & set(fitted.profile.vllm)
     (note,) = [n for n in fitted.notes if n.startswith("tool calls")]
     assert "llama model" in note and "--set vllm.tool_call_parser=NAME" in note
-    # no template at all (the fallback one is ours, without tools)
+    # no template of its own: exl3local's fallback is served, and it writes hermes tool calls (issue 24 item 2)
     bare = fit(tiny_models, "tiny-llama-exl3-4.0bpw", {}, torchvision_missing=False)
-    assert any(n.startswith("tool calls off (the checkpoint has no chat template): turn them on") for n in bare.notes)
+    assert bare.profile.vllm["tool_call_parser"] == "hermes" and bare.profile.vllm["enable_auto_tool_choice"]
+    assert "tool calls: hermes parser (exl3local's fallback chat template writes <tool_call> with JSON)" in bare.notes
+    assert not any("no chat template" in n for n in bare.notes)
     assert not any("; " in n for n in bare.notes + fitted.notes)  # status splits profile_reason at "; "
     # the user's choice wins, and turns auto tool choice on with it
     chosen = fit(tiny_models, "tiny-llama-exl3-4.0bpw", {"vllm.tool_call_parser": "pythonic"}, torchvision_missing=False)
@@ -149,3 +154,16 @@ def test_a_reasoning_parser_only_for_think_tags_the_tokenizer_knows(tiny_models,
     plain = model_fit.fit(profiles.load("cpu"), with_template(tiny_models, tmp_path / "d", "{{ messages }}"),
                           torchvision_missing=False)
     assert "reasoning_parser" not in plain.profile.vllm and not any("reasoning" in n for n in plain.notes)
+
+
+def test_an_engine_python_that_hangs_or_cannot_run_is_a_config_error_naming_it(tmp_path):
+    """Issue 24 item 7: the torchvision probe's TimeoutExpired (and a missing interpreter) reached the daemon
+    as a 500."""
+    slow = tmp_path / "slow-python"
+    slow.write_text("#!/bin/sh\nsleep 30\n")
+    slow.chmod(0o755)
+    with pytest.raises(ConfigError, match="slow-python did not answer within 0.5 s") as err:
+        model_fit.torchvision_missing(str(slow), timeout_s=0.5)
+    assert "EXL3LOCAL_ENGINE_PYTHON" in err.value.hint
+    with pytest.raises(ConfigError, match="no-such-python cannot be run"):
+        model_fit.torchvision_missing(str(tmp_path / "no-such-python"))
