@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -143,7 +144,33 @@ class Manifest:
                 f"  unknown dims   {len(underived)} linears whose role config.json does not size (e.g. {underived[0]}):"
                 " served at their padded size, checked only against the format's 128-multiples"
             )
-        return "\n".join(lines)
+        return "\n".join([*lines, "", *self.linear_rows()])
+
+    def linear_rows(self) -> list[str]:
+        """One line per quantized linear: bits, codebook, shape (in x out as the config defines it, the padded
+        size after it where they differ, `?` where the config does not size it). The experts of one projection
+        share bits and codebook (checked), so they are one line, with their count."""
+        rows: dict[tuple[str, float, str, str], int] = {}
+        for g in self.quantized.values():
+            name = _EXPERT_NUMBER.sub(".experts.*.", g.prefix)
+            shape = f"{_dim(g.unpadded_k)} x {_dim(g.unpadded_n)}"
+            if (g.unpadded_k, g.unpadded_n) != (g.size_k, g.size_n):
+                shape += f" (padded {g.size_k} x {g.size_n})"
+            key = (name, g.bits, g.codebook, shape)
+            rows[key] = rows.get(key, 0) + 1
+        width = max((len(name) for name, *_ in rows), default=0)
+        out = [f"  {'linear':<{width}}  bits  codebook  in x out"]
+        for (name, bits, codebook, shape), count in rows.items():
+            many = f"  ({count} experts)" if count > 1 else ""
+            out.append(f"  {name:<{width}}  {bits:<4g}  {codebook:<8}  {shape}{many}")
+        return out
+
+
+_EXPERT_NUMBER = re.compile(r"\.experts\.\d+\.")
+
+
+def _dim(value: int | None) -> str:
+    return "?" if value is None else str(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,8 +470,12 @@ def _check_head(qcfg: Mapping[str, Any], groups: Mapping[str, TensorGroup], tens
         raise CheckpointError(
             groups["lm_head"].file, "lm_head.trellis", f"head_bits {head_bits} (config.json)", f"{groups['lm_head'].bits:g} bits"
         )
-    elif "lm_head" not in groups and "lm_head.weight" not in tensors and not qcfg.get("tie_word_embeddings"):
-        raise CheckpointError(SINGLE_FILE, "lm_head", f"lm_head tensors (head_bits {head_bits})", "none")
+    elif "lm_head" not in groups and "lm_head.weight" not in tensors:
+        # exllamav3 always writes a separate head; a tied config without one got past here and was refused by
+        # vLLM only after it had started
+        raise CheckpointError(SINGLE_FILE, "lm_head", f"lm_head tensors (head_bits {head_bits})",
+                              "none" + (" (tie_word_embeddings is set, but an EXL3 checkpoint keeps its own head)"
+                                        if qcfg.get("tie_word_embeddings") else ""))
 
 
 def _read_config(root: Path) -> tuple[dict[str, Any], dict[str, Any], str]:

@@ -176,8 +176,22 @@ def _corrupt_head_bits(d: Path):
     return "model.safetensors", "lm_head.trellis"
 
 
+def _corrupt_tied_without_head(d: Path):
+    """A tied config without lm_head tensors: exllamav3 always writes its own head, and vLLM refused this only
+    after it had started (issue 24 item 7)."""
+    _edit_json(d / "config.json", lambda c: c.update(tie_word_embeddings=True))
+
+    def drop_head(t):
+        for name in [n for n in t if n.startswith("lm_head.")]:
+            t.pop(name)
+
+    _edit_tensors(d, drop_head)
+    _edit_json(d / "quantization_config.json", lambda q: q["tensor_storage"].pop("lm_head", None))
+    return "model.safetensors", "lm_head"
+
+
 CORRUPTIONS = [
-    _corrupt_not_exl3, _corrupt_missing_svh, _corrupt_extra_dense_weight, _corrupt_orphan_scale,
+    _corrupt_tied_without_head, _corrupt_not_exl3, _corrupt_missing_svh, _corrupt_extra_dense_weight, _corrupt_orphan_scale,
     _corrupt_width_vs_declared_bits, _corrupt_bad_width, _corrupt_dims_not_128, _corrupt_suh_shape,
     _corrupt_marker_value, _corrupt_two_markers, _corrupt_truncated, _corrupt_header_length,
     _corrupt_malformed_json, _corrupt_missing_shard, _corrupt_declared_bits, _corrupt_head_bits,
