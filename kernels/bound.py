@@ -26,6 +26,7 @@ import inspect
 import torch
 import triton
 
+from exl3local.kernels import selftest
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, HADAMARD_SCALE
 from exl3local.kernels.triton_decode import rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel
@@ -130,10 +131,13 @@ class FusedLaunch:
         self.k_steps = self.size_k // 16 // block_kt
         self.experts = experts
         interpret = not isinstance(exl3_fused_kernel, triton.runtime.JITFunction) or self.device.type == "cpu"
-        self.input = DirectLaunch(_input_kernel, INPUT_VARYING, interpret)
-        self.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, interpret, num_warps=num_warps, num_stages=1)
+        # #20 self-check: the direct launch only on a Triton/backend it was tested with and whose self-test passed
+        # (kernels/selftest.py); otherwise Triton's own launch.
+        plain = interpret or selftest.direct_launch_refusal(self.device) is not None
+        self.input = DirectLaunch(_input_kernel, INPUT_VARYING, plain)
+        self.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, plain, num_warps=num_warps, num_stages=1)
         self.fma = None if experts or bits not in FMA_ONE_ROW_BITS else DirectLaunch(exl3_gemv_ring_kernel,
-                                                                                      FMA_VARYING, interpret)
+                                                                                      FMA_VARYING, plain)
         # Keep the bound tensors referenced: the compiled argument lists hold only their addresses.
         self.input_fixed = dict(suh_ptr=suh, had_ptr=hadamard_operands(self.device)[NATURAL.value],
                                 size_k=self.size_k, HAS_IDS=experts, SCALE=HADAMARD_SCALE)

@@ -245,18 +245,55 @@ def _check_moe(bits, codebook, device, shape):
 
 def _check_direct(bits, codebook, device, shape):
     """Bound launches: the first call per signature goes through Triton's launch, the next ones hand the compiled
-    kernel its arguments directly. Both must write the same bits."""
+    kernel its arguments directly (Triton's private CompiledKernel.run ABI). Both must write the same bits. Run
+    with the direct path forced on, so an untested Triton reports whether it would work."""
     trellis, suh, svh = _layer(*shape, bits, codebook, device, seed=8)
     x = torch.randn(GEMV_ROWS, shape[0], generator=torch.Generator().manual_seed(9)).half().to(device)
     launch = _split_launch(trellis, suh, svh, bits, codebook)
+    runtime = getattr(getattr(sys.modules.get("triton"), "knobs", None), "runtime", None)
+    if runtime is None:
+        return None  # a Triton without knobs has no direct path at all
+    for direct in (launch.input, launch.fused, launch.fma):
+        if direct is not None:
+            direct.hooks = runtime
     first = torch.empty(GEMV_ROWS, shape[1], dtype=x.dtype, device=device)
     launch.launch(x, first, GEMV_ROWS)
     if not launch.fused.compiled and not launch.input.compiled:
-        return None  # this Triton has no direct call (no knobs / a launch hook is set): nothing to check
+        return None  # a launch hook (a profiler) is set: every call takes Triton's path, nothing to compare
     second = torch.empty_like(first)
     _, us = _timed(lambda: launch.launch(x, second, GEMV_ROWS), device)
     same = torch.equal(first.view(torch.int16), second.view(torch.int16))
     return same, 0.0 if same else _rel_err(second, first), us, "" if same else "direct launch differs from Triton's"
+
+
+# Where the bound direct launch (kernels/bound.py's DirectLaunch calling CompiledKernel.run) was measured and
+# checked: device type -> Triton (major, minor). docs/PERF.md: the H200 with Triton 3.6. Elsewhere the bound
+# launches go through Triton's own launch (slower host side, same results); `exl3local selftest` reports
+# bound_direct on any Triton, which is how a new version gets added here.
+DIRECT_LAUNCH_TESTED: dict[str, tuple[tuple[int, int], ...]] = {"cuda": ((3, 6),)}
+
+
+def direct_launch_refusal(device: torch.device) -> str | None:
+    """Why bound launches on `device` must take Triton's own launch path: a Triton/backend the direct launch was
+    not tested with, or a bound_direct check that failed in this process. None: the direct launch may be used."""
+    try:
+        import triton
+    except ImportError as exc:
+        return f"triton is not importable: {exc}"
+    version = release_of(triton.__version__)
+    if version not in DIRECT_LAUNCH_TESTED.get(device.type, ()):
+        return f"the direct launch is untested with Triton {triton.__version__} on {device.type}"
+    with _LOCK:
+        failed = [r for r in _RESULTS if r.path == "bound_direct" and not r.ok]
+    return f"self-test bound_direct failed: {failed[0].detail}" if failed else None
+
+
+def release_of(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def triton_checks(device: torch.device) -> dict[str, Callable]:
@@ -374,11 +411,29 @@ def set_publisher(publish: Callable[[list[Result], dict[str, str]], None] | None
     _publish = publish
 
 
+# The kernel paths (dispatch.KernelPath, as the trace counts them) a refused kernel would have served; the
+# Triton kernel also serves the MoE ladder's grouped paths (kernels/moe_layer.py).
+SERVED_PATHS = {"TritonLinearKernel": ("gemv", "reconstruct_gemm", "moe_decode", "moe_verify", "moe_grouped")}
+
+
 def refused_paths() -> dict[str, str]:
-    """{kernel path: why the self-test took it out of service} for every failed check in this process."""
+    """{kernel path: why the self-test took it out of service, at which rates} in this process: every path of a
+    refused kernel, and `bound_direct` when only the direct launch failed (the trace's `latched_off` flag)."""
+    out: dict[str, list[str]] = {}
     with _LOCK:
-        return {r.path: f"self-test failed at {r.bits:g}-bit {r.codebook}: {r.detail}"
-                for r in _RESULTS if not r.ok}
+        for (kernel, bits, codebook, _), verdict in _VERDICTS.items():
+            if verdict is None:
+                continue
+            paths = SERVED_PATHS.get(kernel) or [r.path for r in _RESULTS if r.kernel == kernel and r.bits == bits
+                                                 and r.codebook == codebook]
+            for path in dict.fromkeys(paths):
+                out.setdefault(path, []).append(f"{kernel} at {bits:g}-bit {codebook}: {verdict}")
+        for r in _RESULTS:
+            if r.path == "bound_direct" and not r.ok:
+                out.setdefault("bound_direct", []).append(
+                    f"at {r.bits:g}-bit {r.codebook}: {r.detail}; bound launches take Triton's own launch")
+    return {path: "; ".join(reasons) + " (those layers use the next kernel)" * (path != "bound_direct")
+            for path, reasons in out.items()}
 
 
 def results() -> list[Result]:
@@ -400,7 +455,9 @@ def refusal(kernel: type, bits: float, codebook: str, device: torch.device) -> s
               "(kernels compile on first use)", file=sys.stderr, flush=True)
         start = time.perf_counter()
         got = run_kernel(kernel, bits, codebook, device)
-        failed = [r for r in got if not r.ok]
+        # a failed bound_direct only switches the direct launch off (direct_launch_refusal): Triton's own launch
+        # of the same kernels passed, so the kernel stays
+        failed = [r for r in got if not r.ok and r.path != "bound_direct"]
         verdict = None if not failed else f"self-test {failed[0].path} failed: {failed[0].detail}"
         print(f"exl3local: self-test {kernel.__name__} {bits:g}-bit {codebook}: "
               f"{'ok' if verdict is None else verdict + '; using the next kernel'} "

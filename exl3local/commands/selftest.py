@@ -27,6 +27,17 @@ PLUGIN_CHECK_MODULE = "exl3local.plugin.check"
 PLUGIN_CHECK_MARK = "EXL3CHECK "
 
 
+def kernel_notes(client) -> list[str]:
+    """status' lines for EXL3 kernel paths that are not in service (the kernel self-test took them out, or layers
+    fell back to the reference on a GPU), from the daemon's GET /api/kernels; none without a running engine."""
+    try:
+        counts = client.kernels()
+    except Exl3Error:
+        return []
+    return [f"kernels   {row.path} {row.state.replace('_', ' ')}: {row.reason}" for row in counts.paths
+            if row.state != "ok"]
+
+
 def plugin_check(python: str) -> list[tuple[bool | None, str, str]]:
     """doctor's plugin section: (ok, name, detail) rows from plugin/check.py run in the engine's interpreter (one
     EXL3 linear and one MoE layer built on the engine's device and run against the reference decoder)."""

@@ -57,3 +57,30 @@ def test_table_says_what_passed_and_what_failed(report):
     out = io.StringIO()
     print_report(broken, Console(file=out, width=100))
     assert "FAIL" in out.getvalue() and "relative error 0.5" in out.getvalue() and "1 failed" in out.getvalue()
+
+
+def test_status_lists_kernel_paths_out_of_service():
+    """status' kernel lines come from the daemon's GET /api/kernels rows (engine/stats.kernel_summary)."""
+    import time
+
+    from exl3local.api.protocol import KernelCounts
+    from exl3local.commands.selftest import kernel_notes
+    from exl3local.engine import stats
+    from exl3local.errors import EngineError
+
+    snap = {"pid": 1, "paths": {"reference": {"calls": 3, "tokens": 3}},
+            "flags": {"latched_off": {"gemv": "TritonLinearKernel at 2.5-bit mul1: self-test gemv_split_k failed"}}}
+
+    class Daemon:  # the two answers GET /api/kernels gives: counters, or no engine running
+        def __init__(self, summary):
+            self.summary = summary
+
+        def kernels(self):
+            if self.summary is None:
+                raise EngineError("stopped", None, "")
+            return KernelCounts.from_json(self.summary)
+
+    lines = kernel_notes(Daemon(stats.kernel_summary([snap], time.time(), "xpu")))
+    assert lines[0] == "kernels   gemv latched off: TritonLinearKernel at 2.5-bit mul1: self-test gemv_split_k failed"
+    assert any(line.startswith("kernels   reference fallback:") for line in lines)
+    assert kernel_notes(Daemon(None)) == []

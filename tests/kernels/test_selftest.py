@@ -127,3 +127,33 @@ def test_every_path_and_rate_on_the_gpu():
     assert not failed, failed
     paths = {r["path"] for r in data["results"]}
     assert {"decode", "gemv_split_k", "moe_decode", "bound_direct", "reference"} <= paths
+
+
+def test_direct_launch_only_where_tested_and_not_refuted(fresh, monkeypatch):
+    import triton
+
+    cuda = torch.device("cuda", 0)
+    here = selftest.release_of(triton.__version__)
+    monkeypatch.setattr(selftest, "DIRECT_LAUNCH_TESTED", {"cuda": ((3, 6),)})
+    if here != (3, 6):
+        assert "untested with Triton" in selftest.direct_launch_refusal(cuda)
+    monkeypatch.setattr(selftest, "DIRECT_LAUNCH_TESTED", {"cuda": (here,)})
+    assert selftest.direct_launch_refusal(cuda) is None
+    assert "untested" in selftest.direct_launch_refusal(torch.device("xpu", 0))  # another backend: not tested
+    selftest._RESULTS.append(selftest.Result("bound_direct", "TritonLinearKernel", "mul1", 4.0, False, 0.5, None,
+                                             "direct launch differs from Triton's"))
+    assert "bound_direct failed" in selftest.direct_launch_refusal(cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch exists on compiled devices only")
+def test_bound_launches_take_tritons_path_where_the_direct_launch_is_refused(fresh, monkeypatch):
+    from exl3local.kernels.bound import FusedLaunch
+
+    trellis, suh, svh = selftest._layer(256, 256, 4, "mul1", torch.device("cuda"), seed=0)
+    monkeypatch.setattr(selftest, "DIRECT_LAUNCH_TESTED", {})
+    assert FusedLaunch(trellis, suh, svh, 4, "mul1").fused.hooks is None  # never caches: Triton's launch
+    import triton
+
+    monkeypatch.setattr(selftest, "DIRECT_LAUNCH_TESTED", {"cuda": (selftest.release_of(triton.__version__),)})
+    assert FusedLaunch(trellis, suh, svh, 4, "mul1").fused.hooks is not None
