@@ -145,7 +145,7 @@ class FusedLaunch:
                                 tiles_n=self.size_n // 16, k_steps=self.k_steps,
                                 expert_words=trellis[0].numel() // 2 if experts else 0,
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
-                                SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt)
+                                SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0)
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
@@ -231,10 +231,94 @@ class FusedLaunch:
                    (u_ptr, y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs))
 
 
+class GroupLaunch(FusedLaunch):
+    """Every part of a fused layer (q/k/v, gate/up: one x, same rate, codebook and k, each its own suh/svh/bits)
+    in two launches: one input transform over all parts (the parts' suh stacked, row m of part p written as u
+    row m·P + p, so the MoE unit mode of the input kernel serves it with ids = p) and one matmul grid over every
+    part's column blocks (triton_fused PARTS mode, a per-block table names the part). The parts' trellises must
+    be views of one allocation (the plugin's flat arena), so one base pointer reaches them all."""
+
+    def __init__(self, parts, bits: float, codebook: str, bias: torch.Tensor | None = None) -> None:
+        """parts: [(trellis, suh, svh, out_features)] at one rate; bias covers the sum of out_features."""
+        trellis0, suh0, _, _ = parts[0]
+        super().__init__(trellis0, suh0, torch.cat([svh for _, _, svh, _ in parts]), bits, codebook, bias=bias)
+        self.count = len(parts)
+        self.size_n = sum(t.shape[-2] * 16 for t, *_ in parts)
+        self.n_blocks = self.size_n // BLOCK_N
+        self.fma = None  # one grid over parts: the dot kernel at every row count
+        device = self.device
+        self.suh = torch.stack([suh for _, suh, _, _ in parts])
+        rows = []
+        cols = out_start = 0
+        for i, (trellis, _, _, out) in enumerate(parts):
+            offset = trellis.data_ptr() - trellis0.data_ptr()
+            if offset % 4 or trellis.untyped_storage().data_ptr() != trellis0.untyped_storage().data_ptr():
+                raise ValueError("grouped parts need their trellises in one allocation, 4-byte aligned")
+            tiles_n = trellis.shape[-2]
+            rows += [[offset // 4, cols, out_start, out, tiles_n, i, cols // BLOCK_N, 0]
+                     for _ in range(tiles_n * 16 // BLOCK_N)]
+            cols += tiles_n * 16
+            out_start += out
+        self.table = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.part_ids = torch.arange(MAX_ROWS * self.count, device=device, dtype=torch.int32) % self.count
+        self.input_fixed = dict(self.input_fixed, suh_ptr=self.suh, HAS_IDS=True)
+        self.fused_fixed = dict(self.fused_fixed, tiles_n=self.size_n // 16, parts_ptr=self.table, PARTS=self.count)
+
+    def needs(self, rows: int) -> tuple[int, int, int]:
+        splits, _ = self.split_for(1)
+        return rows * self.count * self.size_k, splits * rows * self.size_n, self.n_blocks
+
+    def _plan(self, key: tuple) -> tuple:
+        rows, _, _, _, _, _, k_valid, _, _ = key
+        splits, per_split = self.split_for(1)
+        units = rows * self.count
+        block_m = rows_per_program(units)
+        input_fixed = dict(self.input_fixed, x_div=self.count, k_valid=k_valid, BM=block_m)
+        matmul = (self.fused, (self.n_blocks, splits, 1),
+                  dict(self.fused_fixed, n_out=0, steps_per_split=per_split, SPLIT=splits > 1))
+        plan = ((-(-units // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul)
+        self.plans[key] = plan
+        return plan
+
+    def launch(self, x: torch.Tensor, y: torch.Tensor, rows: int, ids=None, x_div: int = 1,
+               k_valid: int | None = None, n_out: int | None = None) -> None:
+        """y[:rows, :Σ out] = every part of x's rows, side by side (k_valid features of x are given)."""
+        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
+        key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, 1,
+               self.size_k if k_valid is None else k_valid, 0, None)
+        input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
+        stream = self.stream()
+        ws = Workspace._live.get((self.device, stream))
+        if ws is None or not ws.holds(*needs):
+            ws = Workspace.get(self.device, stream, *needs)
+        ids_, units, u_ptr = self.part_ids, rows * self.count, ws.inputs_ptr
+        x_stride, y_stride, stride_zs = x.stride(0), y.stride(0), rows * self.size_n
+        self.input(input_grid, stream, key, input_fixed, (x, ids_, ws.inputs, units, x_stride),
+                   (x_ptr, ids_.data_ptr(), u_ptr, units, x_stride))
+        matmul(grid, stream, key, fixed, (ws.inputs, ids_, y, ws.partials, ws.counters, rows, y_stride, stride_zs),
+               (u_ptr, ids_.data_ptr(), y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs))
+
+
+def group_launch(parts, bias: torch.Tensor | None = None) -> GroupLaunch | None:
+    """One GroupLaunch for a fused layer's parts [(kernel, trellis, suh, svh, out_features)], or None where the
+    parts cannot share one grid (one part, different rates or codebooks, FMA one-row rates, separate
+    allocations): those keep a FusedLaunch per part."""
+    kernels = [part[0] for part in parts]
+    specs = {(k.spec.bits, k.spec.codebook, k.spec.size_k) for k in kernels}
+    if len(parts) < 2 or len(specs) != 1 or kernels[0].spec.bits in FMA_ONE_ROW_BITS:
+        return None
+    trellis0 = parts[0][1]
+    if any(p[1].untyped_storage().data_ptr() != trellis0.untyped_storage().data_ptr() or
+           (p[1].data_ptr() - trellis0.data_ptr()) % 4 for p in parts):
+        return None
+    return GroupLaunch([p[1:] for p in parts], kernels[0].spec.bits, kernels[0].spec.codebook, bias)
+
+
 class BoundLinear:
     """A whole EXL3 linear with its tensors bound: x (..., in_features) -> (..., sum of out_features).
 
     Parts (fused vLLM layers: q/k/v, gate/up) share x, each with its own suh and bits. Up to MAX_ROWS rows,
+    parts at one rate in one allocation run as one GroupLaunch (two launches for the whole layer); otherwise
     every part is two launches writing its columns of the output in place: x's padding to k and the
     output's trim to out_features are masks in the kernels, the bias is added in the epilogue. More rows,
     or a part whose kernel is not Triton, take each kernel's `apply` (pad, per part, trim, concatenate)."""
@@ -247,7 +331,12 @@ class BoundLinear:
         self.out_features = sum(part[4] for part in self.parts)
         self.bias = bias
         self.launches = None
+        group = None
         if all(kernel.backend == "triton" for kernel, *_ in self.parts):
+            group = group_launch(self.parts, bias)
+        if group is not None:
+            self.launches = [(group, 0, self.out_features)]
+        elif all(kernel.backend == "triton" for kernel, *_ in self.parts):
             self.launches = []
             start = 0
             for kernel, trellis, suh, svh, out in self.parts:

@@ -76,14 +76,20 @@ def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bi
 
 
 @triton.jit(do_not_specialize=VARYING_ARGS)
-def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cnt_ptr,
+def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cnt_ptr, parts_ptr,
                       M, tiles_n, stride_ym, n_out, k_steps, steps_per_split, expert_words, stride_zs,
                       KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
                       CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                      SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr):
+                      SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0):
     """y = H(u·Ŵ)⊙svh (+ bias) for BM rows of u (MoE: one unit in row 0) × 128 columns, one K split.
     u is (M, k) fp16, contiguous; y keeps the first n_out columns, rows stride_ym apart (a part of a fused
-    layer writes its slice of the layer's output in place)."""
+    layer writes its slice of the layer's output in place).
+
+    PARTS > 0: one grid over every part of a fused layer (q/k/v, gate/up; same rate and k). Column block b
+    belongs to the part that parts_ptr's row b names (int64: trellis word offset from w_ptr, padded column
+    start = svh offset, output column start, kept columns, tiles_n, part index, first block); u holds each
+    row's parts side by side (row m of part p is u row m·PARTS + p: bound.GroupLaunch's input transform),
+    tiles_n is the layer's total and n_out unused."""
     BNT: tl.constexpr = 8
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -91,6 +97,35 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
     size_n = tiles_n * 16
     size_k = k_steps * 16 * KT
     lane = tl.arange(0, BM)
+    if PARTS > 0:
+        row = parts_ptr + pid_n * 8
+        part_cols = tl.load(row + 1)
+        part_n = tl.load(row + 4)
+        local_n = pid_n - tl.load(row + 6)
+        rm = pid_m * BM + lane
+        mask_m = rm < M
+        acc = ring_dot(u_ptr, w_ptr + tl.load(row), rm * PARTS + tl.load(row + 5), mask_m, size_k, part_n,
+                       pid_s * steps_per_split * KT, steps_per_split, local_n * BNT, KA, HALF, W32, G, CODEBOOK, BM,
+                       BNT, KT)
+        c = tl.arange(0, 128)
+        z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]
+        tl.store(z_ptr + pid_s * stride_zs + z_offs, acc, mask=mask_m[:, None])
+        tl.debug_barrier()
+        # The epilogue sees the part alone: z, svh, bias and y shifted to the part's first column.
+        y_col = tl.load(row + 2)
+        finish = True
+        splits = 1
+        if SPLIT:
+            lock = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            splits = tl.num_programs(1)
+            finish = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == splits - 1
+            if finish:
+                tl.store(lock, 0)
+        if finish:
+            finish_block(z_ptr + part_cols, stride_zs, splits, pid_m * BM, tl.minimum(M - pid_m * BM, BM), size_n,
+                         local_n * 128, svh_ptr + part_cols, bias_ptr + y_col, y_ptr + y_col, stride_ym,
+                         tl.load(row + 3), HAS_BIAS, SCALE, True)
+        return
     if HAS_IDS:  # one (token, expert) unit per program: its expert's trellis, svh, bias
         e = tl.load(ids_ptr + pid_m).to(tl.int64)
         w_base = w_ptr + e * expert_words

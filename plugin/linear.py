@@ -30,7 +30,7 @@ from exl3local.kernels import reference
 from exl3local.kernels.bound import BoundLinear
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_cols, hadamard_rows
 from exl3local.manifest import MARKER_VALUES, TensorGroup
-from exl3local.plugin import trace
+from exl3local.plugin import ops, trace
 
 logger = logging.getLogger("exl3local.plugin")
 
@@ -294,6 +294,7 @@ class Exl3LinearMethod(LinearMethodBase):
             layer.exl3_kernels.append(kernel)
             trace.note_layer(type(kernel).__name__)
         layer.exl3_dense = None
+        layer.exl3_count = trace.enabled()
         if env.DECODE_ONCE.get_bool():
             layer.exl3_dense = self.dense_weight(layer).to(layer.exl3_act_dtype)
             if not trace.counters().snapshot()["flags"].get("decode_once"):
@@ -307,6 +308,22 @@ class Exl3LinearMethod(LinearMethodBase):
             layer.exl3_in_features,
         )
         layer.exl3_bound.reserve()
+        layer.exl3_forward = self._counted(layer) if layer.exl3_count else layer.exl3_bound
+        layer.exl3_key = self.prefix
+        ops.register_linear(self.prefix, layer.exl3_forward)
+
+    @staticmethod
+    def _counted(layer: torch.nn.Module):
+        """The bound layer, counting each call's path(s) in this process's trace (trace.enabled())."""
+        bound, kernels, role = layer.exl3_bound, layer.exl3_kernels, layer.exl3_role
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+            for path in {kernel.path_for(rows) for kernel in kernels}:  # parts may differ in bits
+                trace.count(path, rows, role)
+            return bound(x)
+
+        return forward
 
     # -- views
     @staticmethod
@@ -328,11 +345,12 @@ class Exl3LinearMethod(LinearMethodBase):
 
     # -- forward
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if layer.exl3_dense is not None:
-            trace.count(DECODE_ONCE_PATH, rows, layer.exl3_role)
+            if layer.exl3_count:
+                trace.count(DECODE_ONCE_PATH, x.numel() // x.shape[-1] if x.shape[-1] else 0, layer.exl3_role)
             return F.linear(x, layer.exl3_dense, bias)
-        for path in {kernel.path_for(rows) for kernel in layer.exl3_kernels}:  # parts may differ in bits
-            trace.count(path, rows, layer.exl3_role)
-        out = layer.exl3_bound(x)
+        if torch.compiler.is_compiling():  # one opaque node in the traced graph (plugin/ops.py)
+            out = ops.linear(x, layer.exl3_key, layer.exl3_bound.out_features)
+        else:
+            out = layer.exl3_forward(x)
         return out + bias if bias is not None else out

@@ -254,6 +254,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                                          layer.w2_suh, layer.w2_svh, layer.exl3_proj, layer.top_k)
         for name, kernel in layer.exl3_experts.kernels.items():
             trace.note_layer(f"{type(kernel).__name__} moe")
+        layer.exl3_count = trace.enabled()
         layer.exl3_moe_refusal = layer.exl3_experts.refusal
         if layer.exl3_moe_refusal is None:
             trace.note_layer("triton_moe.moe_decode moe")
@@ -276,7 +277,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if tokens == 0:  # an empty batch (e.g. a data-parallel dummy step): nothing routed
             return x.new_zeros(x.shape)
         path = select_path(tokens)
-        trace.count(path, tokens, "experts")
+        if layer.exl3_count:
+            trace.count(path, tokens, "experts")
         return self.run_path(layer, path, x, topk_weights, topk_ids)
 
     def run_path(self, layer, path: KernelPath, x, topk_weights, topk_ids) -> torch.Tensor:

@@ -8,7 +8,8 @@ in docs/api.md under "Kernel path counters".
 
 Counting is a dict update under a lock (no I/O in the hot path): a daemon thread rewrites the file
 at most every FLUSH_INTERVAL_S when something changed, plus once when a path engages for the first
-time and once at exit. `EXL3LOCAL_TRACE_PATHS=1` also prints one line per path on first use.
+time and once at exit. `EXL3LOCAL_TRACE_PATHS=1` also prints one line per path on first use. Per-call
+counting happens only when asked (`enabled()`): layers decide once at load.
 """
 
 from __future__ import annotations
@@ -162,6 +163,13 @@ def counters() -> PathCounters:
 
 def count(path: str, tokens: int, role: str | None = None) -> None:
     counters().count(str(path), tokens, role)
+
+
+def enabled() -> bool:
+    """Whether layers should count their calls: only when asked (the daemon sets EXL3LOCAL_TRACE_DIR for its
+    engine; EXL3LOCAL_TRACE_PATHS=1 asks too). Layers read this once at load, so a bare vLLM with the plugin
+    does no per-call counting. Load-time notes (note_layer, flags) are written either way."""
+    return bool(env.TRACE_DIR.get()) or env.TRACE_PATHS.get_bool()
 
 
 # Layer roles the counters tell apart, most specific first: (substring of the vLLM prefix, role).

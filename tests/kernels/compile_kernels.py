@@ -35,7 +35,7 @@ DOT_OPS = ("tt.dot ", "ttng.warp_group_dot ")  # Hopper's wgmma form replaces tt
 MATMUL_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "ids_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32",
                "tiles_n": "i32", "steps_per_split": "i32", "expert_words": "i32", "stride_zs": "i32"}
 FUSED_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i64",
-              "y_ptr": "*bf16", "z_ptr": "*fp32", "cnt_ptr": "*i32",
+              "y_ptr": "*bf16", "z_ptr": "*fp32", "cnt_ptr": "*i32", "parts_ptr": "*i64",
               **{name: "i32" for name in ("M", "tiles_n", "stride_ym", "n_out", "k_steps", "steps_per_split",
                                           "expert_words", "stride_zs")}}
 FMA_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32", "tiles_n": "i32",
@@ -92,10 +92,10 @@ def main() -> None:
         for block_m, has_ids in ((16, False), (64, False), (16, True)):
             compile_one(triton_gemv.exl3_ring_dot_kernel, MATMUL_ARGS,
                         dict(rate, HAS_IDS=has_ids, BM=block_m, BNT=block_nt, KT=block_kt), num_warps=warps)
-        for has_ids, split in ((False, True), (True, True), (False, False)):
+        for has_ids, split, parts in ((False, True, 0), (True, True, 0), (False, False, 0), (False, True, 3)):
             compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
-                        dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt),
-                        num_warps=warps, num_stages=1)
+                        dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt,
+                             PARTS=parts), num_warps=warps, num_stages=1)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,
                     dict(rate, BM=block_m, BNT=block_nt, EPILOGUE=True, HAS_BIAS=True, SCALE=HADAMARD_SCALE))

@@ -111,3 +111,49 @@ def test_outgrown_workspace_stays_allocated():
     grown = Workspace.get(device, 12345, 10, 1000, 2)
     assert grown is not first and grown.partials.numel() >= 1000 and grown.inputs.numel() >= 10
     assert any(ws is first for ws in Workspace._retired)  # a graph captured against it may still use it
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3)])
+def test_grouped_parts_run_as_one_grid_and_match_the_per_part_launches(relative_error, kernel_device, codebook, bits,
+                                                                       splits):
+    """q/k/v-like parts at one rate, laid out as the plugin lays them out (views of one flat arena, suh per part):
+    one input transform and one matmul grid for the whole layer, padding, trim and bias as masks."""
+    from exl3local.kernels.bound import GroupLaunch
+
+    in_features, k, widths, outs = 200, 256, (384, 128, 128), (300, 128, 100)
+    g = torch.Generator().manual_seed(21)
+    words = reference.words_per_tile(bits)
+    sizes = [(k // 16) * (n // 16) * words for n in widths]
+    arena = torch.randint(-32768, 32768, (sum(sizes),), generator=g, dtype=torch.int16).to(kernel_device)
+    suh = (torch.randn(len(widths), k, generator=g) * 0.05).half().to(kernel_device)
+    svh = (torch.randn(sum(widths), generator=g) * 0.05).half().to(kernel_device)
+    bias = torch.randn(sum(outs), generator=g).to(kernel_device)
+    x = torch.randn(5, in_features, generator=g).to(kernel_device)
+    parts, expected, t0, n0 = [], [], 0, 0
+    for i, (n, size, out) in enumerate(zip(widths, sizes, outs)):
+        trellis = arena[t0:t0 + size].view(k // 16, n // 16, words)
+        kernel = prepare(KernelSpec(k, n, bits, codebook, torch.float32), kernel_device, "triton")
+        parts.append((kernel, trellis, suh[i], svh[n0:n0 + n], out))
+        padded = torch.nn.functional.pad(x, (0, k - in_features))
+        expected.append(reference.linear(padded.double(), trellis, suh[i], svh[n0:n0 + n], bits, codebook)[:, :out])
+        t0, n0 = t0 + size, n0 + n
+    expected = torch.cat(expected, -1) + bias.double()
+    layer = BoundLinear(parts, in_features, bias)
+    (group, _, _), = layer.launches
+    assert isinstance(group, GroupLaunch) and group.n_blocks == sum(widths) // 128
+    group.splits[1] = (splits, group.k_steps // splits)
+    y = layer(x)
+    assert relative_error(y, expected) < 1e-3  # u is fp16 (~3e-4)
+    per_part = torch.cat([BoundLinear([p], in_features, bias[s:s + p[4]])(x)
+                          for p, s in zip(parts, (0, outs[0], outs[0] + outs[1]))], -1)
+    assert relative_error(y, per_part) < FP32_NOISE
+    assert counters_clear()
+
+
+def test_parts_at_different_rates_keep_a_launch_each(make_layer, kernel_device):
+    parts = []
+    for bits in (4, 3):
+        trellis, suh, svh = make_layer(128, 128, bits, "mul1", seed=int(bits))
+        parts.append((prepare(KernelSpec(128, 128, bits, "mul1"), kernel_device, "triton"), trellis, suh, svh, 128))
+    assert len(BoundLinear(parts, 128).launches) == 2

@@ -317,13 +317,51 @@ def test_legacy_packed_signs_are_refused_by_name(vllm_linear, config):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
 def test_forced_triton_layer_runs_its_bound_launches_and_matches_the_reference(monkeypatch, vllm_linear, config, tensors):
-    """The path GPUs take: each part's launches bound at load time, writing its columns of the output in place."""
+    """The path GPUs take: launches bound at load time; q/k/v at one rate in one arena run as one grouped grid."""
+    from exl3local.kernels.bound import GroupLaunch
+
     monkeypatch.setenv("EXL3LOCAL_DISABLED_KERNELS", "CpuLinearKernel,TorchReferenceKernel")
     layer = qkv(vllm_linear, config)
     load(layer, tensors, {s: f"{LAYER}.self_attn.{s}_proj" for s in "qkv"}, loaded_via_layer=True)
-    assert layer.exl3_bound.launches is not None and len(layer.exl3_bound.launches) == 3
+    (group, _, _), = layer.exl3_bound.launches
+    assert isinstance(group, GroupLaunch) and group.count == 3
     x = torch.randn(3, 256, dtype=torch.float16)
     y = layer.quant_method.apply(layer, x)
     expected = torch.cat([ref(x.float(), tensors, f"{LAYER}.self_attn.{s}_proj") for s in "qkv"], -1)
     assert y.shape == expected.shape
     torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2)  # fp16 activations, fp32 accumulation
+
+
+def test_compiled_forward_holds_the_linear_as_one_custom_op(vllm_linear, config, tensors):
+    """What vLLM's compiler sees: apply traced without graph breaks (fullgraph) into one exl3local::linear node
+    whose fake implementation gives the shape; the compiled result equals eager."""
+    layer = qkv(vllm_linear, config)
+    load(layer, tensors, {s: f"{LAYER}.self_attn.{s}_proj" for s in "qkv"}, loaded_via_layer=True)
+    x = torch.randn(3, 256, dtype=torch.float16)
+    eager = layer.quant_method.apply(layer, x)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda t: layer.quant_method.apply(layer, t), fullgraph=True, backend=backend)
+    assert torch.equal(compiled(x), eager)
+    (gm,) = graphs
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.exl3local.linear.default]
+
+
+def test_calls_are_counted_only_when_asked(monkeypatch, vllm_linear, config, tensors, tmp_path):
+    from exl3local.plugin import trace
+
+    monkeypatch.delenv("EXL3LOCAL_TRACE_DIR", raising=False)
+    monkeypatch.delenv("EXL3LOCAL_TRACE_PATHS", raising=False)
+    layer = qkv(vllm_linear, config)
+    load(layer, tensors, {s: f"{LAYER}.self_attn.{s}_proj" for s in "qkv"}, loaded_via_layer=True)
+    assert not layer.exl3_count and layer.exl3_forward is layer.exl3_bound  # nothing per call but the launches
+    monkeypatch.setenv("EXL3LOCAL_TRACE_DIR", str(tmp_path))
+    layer.quant_method.process_weights_after_loading(layer)
+    before = trace.counters().snapshot()["paths"]
+    layer.quant_method.apply(layer, torch.randn(2, 256, dtype=torch.float16))
+    after = trace.counters().snapshot()["paths"]
+    assert sum(v["calls"] for v in after.values()) == sum(v["calls"] for v in before.values()) + 1
