@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from exl3local.errors import NoKernelError
-from exl3local.kernels import KernelSpec, dispatch, prepare, reference, selftest
+from exl3local.kernels import KernelSpec, dispatch, prepare, reference, selftest, selftest_checks
 from exl3local.kernels.dispatch import TorchReferenceKernel, TritonLinearKernel
 
 SPEC = KernelSpec(128, 128, 3, "mcg")
@@ -106,8 +106,8 @@ def test_split_k_read_of_an_unfinished_workspace_is_caught(monkeypatch):
 
     monkeypatch.setattr(bound.FusedLaunch, "launch", skipped_handshake)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    checks = selftest.triton_checks(device)
-    ok, _, _, detail = checks["gemv_split_k"](4, "3inst", device, selftest.SIZES[selftest._kind(device)][0])
+    checks = selftest_checks.triton_checks(device)
+    ok, _, _, detail = checks["gemv_split_k"](4, "3inst", device, selftest_checks.SIZES[selftest_checks.kind(device)][0])
     assert not ok and "non-finite" in detail
 
 
@@ -150,7 +150,7 @@ def test_direct_launch_only_where_tested_and_not_refuted(fresh, monkeypatch):
 def test_bound_launches_take_tritons_path_where_the_direct_launch_is_refused(fresh, monkeypatch):
     from exl3local.kernels.bound import FusedLaunch
 
-    trellis, suh, svh = selftest._layer(256, 256, 4, "mul1", torch.device("cuda"), seed=0)
+    trellis, suh, svh = selftest_checks._layer(256, 256, 4, "mul1", torch.device("cuda"), seed=0)
     monkeypatch.setattr(selftest, "DIRECT_LAUNCH_TESTED", {})
     assert FusedLaunch(trellis, suh, svh, 4, "mul1").fused.hooks is None  # never caches: Triton's launch
     import triton
