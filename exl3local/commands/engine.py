@@ -231,7 +231,8 @@ def _exited(pid: int | None) -> bool:
 
 
 def _add_down(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("down", help="stop the engine and the daemon")
+    p = sub.add_parser("down", help="stop the engine and the daemon", description="Stop the engine and the "
+                       "daemon, and wait until both are gone (a daemon started by systemd is started again by it).")
     p.set_defaults(handler=_cmd_down)
 
 

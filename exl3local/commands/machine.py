@@ -106,7 +106,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="pin NAME even if this machine lacks its backend")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one setting, kept for every up")
     p.add_argument("--unpin", action="store_true", help="back to detection, drop saved overrides")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(handler=_cmd_profile)
 
 

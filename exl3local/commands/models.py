@@ -69,7 +69,13 @@ def _served(model: PulledModel) -> bool:
 
 
 def _cmd_rm(args: argparse.Namespace) -> int:
-    ref = ModelRef.parse(args.model)
+    if args.model == "demo":
+        raise ConfigError("the demo model is bundled in the package, not pulled: there is nothing to remove",
+                          hint="`exl3local list` shows what is pulled")
+    try:
+        ref = ModelRef.parse(args.model)
+    except ConfigError:  # not a hub name at all: it cannot have been pulled either
+        raise ConfigError(f"{args.model}: not pulled", hint="`exl3local list` shows what is; rm takes REPO[:REVISION]") from None
     every_revision = ":" not in args.model and "@" not in args.model
     matches = [
         m for m in store.records()
@@ -109,7 +115,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(handler=_cmd_pull)
     p = sub.add_parser("list", help="list pulled models; FITS: does it fit the profile `up` would use here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the records as JSON (with FITS as `fits`)")
     p.set_defaults(handler=_cmd_list)
     p = sub.add_parser("rm", help="remove a pulled model from the hub cache")
     p.add_argument("model", metavar="REPO[:REVISION]", help="without a revision: every pulled revision of REPO")

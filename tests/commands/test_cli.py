@@ -4,6 +4,7 @@ without pinning and pins that would not run here refused, `list` with nothing pu
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -69,3 +70,21 @@ def test_inspect_names_the_directory_it_looked_in(box):
     empty.mkdir()
     out = box.cli("inspect", "not-a-model")  # relative to the box's cwd
     assert out.returncode != 0 and f"{empty}/config.json" in out.stderr, out.stderr
+
+
+def test_a_bare_command_prints_the_help_and_every_option_says_what_it_does(box):
+    """Issue 24 item 5: `exl3local` alone was a usage error; `profile --json`, `list --json`, `down` had no help."""
+    bare = box.cli()
+    assert bare.returncode == 0 and "usage: exl3local" in bare.stdout and "COMMAND" in bare.stdout, bare.stderr
+    assert "print the profile as JSON" in box.cli("profile", "--help").stdout
+    assert "print the records as JSON" in box.cli("list", "--help").stdout
+    assert re.search(r"^ +down +stop the engine and the daemon$", bare.stdout, re.M), bare.stdout
+    assert "wait until both are gone" in " ".join(box.cli("down", "--help").stdout.split())
+
+
+def test_rm_says_the_demo_is_bundled_and_an_unknown_name_is_not_pulled(box):
+    demo = box.cli("rm", "demo")
+    assert demo.returncode != 0 and "the demo model is bundled in the package, not pulled" in demo.stderr, demo.stderr
+    for name in ("nothing", "org/nothing"):
+        out = box.cli("rm", name)
+        assert out.returncode != 0 and f"{name}: not pulled" in out.stderr and "not a hub repo" not in out.stderr

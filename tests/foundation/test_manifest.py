@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -266,3 +267,15 @@ def test_cli_stops_quietly_when_its_reader_goes_away(tiny_models):
     out = subprocess.run(["bash", "-o", "pipefail", "-c", pipeline], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.stdout == '{\n  "path"'
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
+
+
+def test_the_summary_lists_every_linear_with_bits_codebook_and_shape(tiny_models):
+    """Issue 24 item 5: `inspect DIR` printed totals only; the README promises each linear."""
+    text = manifest.read(tiny_models[LLAMA]).summary()
+    assert re.search(r"^  model\.layers\.0\.self_attn\.k_proj +4 +mul1 +256 x 128$", text, re.M), text
+    assert re.search(r"^  lm_head +6 +mul1 +256 x 2048$", text, re.M), text
+    moe = manifest.read(tiny_models[MOE])
+    rows = moe.summary().splitlines()
+    experts = [r for r in rows if ".experts.*.up_proj" in r]
+    assert experts and all(r.rstrip().endswith("experts)") for r in experts), experts  # one row per projection
+    assert len(rows) < len(moe.quantized)
