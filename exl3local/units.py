@@ -43,6 +43,29 @@ def format_gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([hms])")
+_DURATION_SECONDS = {"h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(value: object) -> float | None:
+    """Seconds from "15s", "5m", "1h30m", a bare number of seconds, or None for "never"."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration, got a boolean")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip().lower() == "never":
+        return None
+    elif isinstance(value, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", value):
+        seconds = float(value)
+    elif isinstance(value, str) and re.fullmatch(r"(\d+(\.\d+)?[hms])+", value.strip()):
+        seconds = sum(float(n) * _DURATION_SECONDS[u] for n, u in _DURATION_PART.findall(value))
+    else:
+        raise ValueError(f"expected a duration such as \"15s\", \"5m\", \"1h30m\" or \"never\", got {value!r}")
+    if seconds < 0:
+        raise ValueError("a duration cannot be negative")
+    return seconds
+
+
 def format_duration(seconds: float | None, none: str = "-") -> str:
     """42 -> "42s", 125 -> "2m05s", 7300 -> "2h01m"."""
     if seconds is None:

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from exl3local.errors import ConfigError
-from exl3local.units import parse_size
+from exl3local.units import parse_duration, parse_size
 
 ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 SECTIONS = ("match", "model", "vllm", "endpoint", "env", "memory")  # the tables of a profile file, in order
@@ -78,6 +78,11 @@ def speculative_config(vllm: Mapping[str, Any]) -> dict[str, Any]:
     """A [vllm] table's speculative_config as a table again ({} without one); _json_obj keeps it as JSON."""
     spec = vllm.get("speculative_config")
     return json.loads(spec) if isinstance(spec, str) else dict(spec or {})
+
+
+def _keep_alive(v: object) -> str:
+    seconds = parse_duration(v)
+    return "never" if seconds is None else (v if isinstance(v, str) else f"{seconds:g}s")
 
 
 def _origins(v: object) -> tuple[str, ...]:
@@ -154,6 +159,8 @@ SCHEMA: dict[str, dict[str, Callable[[object], Any]]] = {
         # browser pages allowed to call the OpenAI endpoint (CORS); `*` matches any port, or any host
         # after a non-http scheme such as vscode-webview://
         "cors_origins": _origins,
+        # no request for this long: the engine gives its memory back (IDLE) until the next one; "never" keeps it
+        "keep_alive": _keep_alive,
     },
     "env": {},  # any NAME = "value"; checked by _env_value
     "memory": {

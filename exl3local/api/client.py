@@ -309,13 +309,14 @@ class DaemonClient(_Core):
         on_progress: Callable[[DaemonStatus], None] | None = None,
         poll_s: float = POLL_S,
     ) -> DaemonStatus:
-        """Poll until READY. FAILED (or STOPPED: someone ran `down`) raises EngineError with the
-        stderr tail. There is no deadline here: the daemon's supervisor owns the stall timeout."""
+        """Poll until READY (or IDLE: a short keep-alive already gave the memory back; the next request
+        starts it again). FAILED (or STOPPED: someone ran `down`) raises EngineError with the stderr
+        tail. There is no deadline here: the daemon's supervisor owns the stall timeout."""
         while True:
             st = self.status()
             if on_progress:
                 on_progress(st)
-            if st.state == EngineState.READY:
+            if st.state in (EngineState.READY, EngineState.IDLE):
                 return st
             if st.state in (EngineState.FAILED, EngineState.STOPPED):
                 raise _engine_error(st)

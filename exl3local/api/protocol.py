@@ -24,6 +24,7 @@ class EngineState(StrEnum):
     BACKOFF = "BACKOFF"  # exited unexpectedly; restarts after a delay
     STOPPING = "STOPPING"  # SIGTERM sent to the group, SIGKILL after a timeout
     FAILED = "FAILED"  # gave up after repeated fast failures; the daemon stays up
+    IDLE = "IDLE"  # no request for the keep-alive time: the engine gave its memory back; the next request wakes it
 
 
 # An engine in these states holds (or is about to hold) its model files, memory and port.
@@ -83,6 +84,9 @@ class DaemonStatus:
     log_errors: int = 0  # engine output that could not be written to engine.log (full disk, ...): dropped
     log_dropped_bytes: int = 0
     log_last_error: str | None = None  # the latest such error, with its time
+    keep_alive_s: float | None = None  # idle time before the engine is unloaded; None: never
+    idle_since: float | None = None  # IDLE: unix time the engine was unloaded
+    idle_freed_bytes: int | None = None  # IDLE: the engine's RSS when it was unloaded
     daemon_pid: int | None = None
     daemon_uptime_s: float = 0.0
     events: tuple[dict[str, Any], ...] = ()  # recent hotplug events, newest last

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -47,6 +47,25 @@ def openai_error(status: int, message: str, kind: str, retry_after_s: int | None
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status,
                         headers=headers)
+
+
+class _Forwarded(StreamingResponse):
+    """The engine's answer streamed as it arrives. Whatever ends it (the last chunk, the client going away
+    before or during the stream, an error), the engine connection is closed, which makes vLLM abort a
+    request still running, and `done` is called once."""
+
+    def __init__(self, upstream: httpx.Response, done: Callable[[], None]) -> None:
+        super().__init__(upstream.aiter_raw(), upstream.status_code)
+        self.raw_headers = [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() not in HOP_BY_HOP]
+        self._upstream = upstream
+        self._done = done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._done()
+            await self._upstream.aclose()
 
 
 class Front:
@@ -102,7 +121,7 @@ class Front:
         return self._client
 
     def _refusal(self, request: Request) -> Response | None:
-        """The front's own answer when nothing can be forwarded, or the key is wrong; else None."""
+        """The front's own answer when there is no model, or the key is wrong; else None."""
         plan = self.daemon.plan
         if plan is None:
             return openai_error(503, "no model is being served: run `exl3local up`", "service_unavailable")
@@ -111,6 +130,10 @@ class Front:
             sent = request.headers.get("authorization", "").encode()
             if not secrets.compare_digest(sent, f"Bearer {key}".encode()):
                 return JSONResponse({"error": "Unauthorized"}, 401)  # vLLM's own answer, so clients see one shape
+        return None
+
+    def _not_ready(self) -> Response | None:
+        """503 unless the engine is READY (its leader alive, checked in /proc)."""
         state = self.daemon.sup.snapshot()["state"]
         if state != EngineState.READY:
             waiting = state in (EngineState.STARTING, EngineState.BACKOFF)
@@ -123,6 +146,21 @@ class Front:
         refused = self._refusal(request)
         if refused is not None:
             return refused
+        scheduler = self.daemon.scheduler
+        await scheduler.admit()  # an IDLE engine starts again; the request waits for it
+        refused = self._not_ready()
+        if refused is not None:
+            return refused
+        scheduler.begin()
+        try:
+            return await self._forward(request)
+        except BaseException:
+            scheduler.end()
+            raise
+
+    async def _forward(self, request: Request) -> Response:
+        """Forward to the engine; the scheduler's end() comes when the answer is over (or failed)."""
+        scheduler = self.daemon.scheduler
         spec = self.daemon.plan.spec
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP_BY_HOP]
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -131,19 +169,11 @@ class Front:
         try:
             resp = await client.send(upstream, stream=True)
         except httpx.TransportError as exc:
+            scheduler.end()
             return openai_error(502, f"the engine did not answer: {type(exc).__name__}", "bad_gateway",
                                 retry_after_s=1)
 
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-            finally:  # also when the client went away: closing the engine connection aborts its request
-                await resp.aclose()
-
-        answer = StreamingResponse(body(), resp.status_code)
-        answer.raw_headers = [(k.lower(), v) for k, v in resp.headers.raw if k.lower() not in HOP_BY_HOP]
-        return answer
+        return _Forwarded(resp, scheduler.end)
 
     async def engine_get(self, path: str) -> httpx.Response:
         """GET on the engine itself (the daemon's /api/metrics)."""

@@ -255,6 +255,7 @@ async def serve(daemon: Daemon, listen: Listen, ready: Callable[[], None] | None
     watch = hardware.HotplugWatch(daemon.on_hotplug)
     watching = daemon.sysfs_root == hardware.SYSFS and watch.start(loop)
     await api.started()
+    daemon.scheduler.start()
     log.info("daemon %d listening on %s (hotplug watch %s)", os.getpid(), listen, "on" if watching else "off")
     if ready:
         ready()
@@ -262,6 +263,7 @@ async def serve(daemon: Daemon, listen: Listen, ready: Callable[[], None] | None
         await asyncio.wait({api.task, asyncio.ensure_future(daemon._stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.stop()
+        await daemon.scheduler.close()
         await api.close()
         listen.remove()
         await daemon.front.close()

@@ -27,6 +27,7 @@ import psutil
 from exl3local import env, errors, paths
 from exl3local.api.protocol import API_VERSION, ENGINE_ALIVE, EngineState, GpuStatus, UpRequest
 from exl3local.daemon.front import Front
+from exl3local.daemon.scheduler import Scheduler
 from exl3local.daemon.plan import ENGINE_HOST, Plan, env_number, plan, port_free
 from exl3local.engine import apikey, launch, stats
 from exl3local.engine.log import EngineLog
@@ -56,6 +57,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._hotplug_task: asyncio.Task[None] | None = None
         self.front = Front(self)  # the OpenAI endpoint, forwarding to the engine's socket
+        self.scheduler = Scheduler(self)  # keep-alive: idle unload, wake on the next request
 
     # ---- engine record (orphan clean-up after a daemon crash) ---------------------------
     def _record_engine(self, spec: Any, proc: Any) -> None:
@@ -136,6 +138,7 @@ class Daemon:
             self.plan = new
             self.last_request = req
             self.engine_log.mark(f"up: {new.model_label} with profile {new.profile.id}")
+            self.scheduler.reset()
             await self.sup.start(new.spec)
             return self.status()
 
@@ -151,11 +154,13 @@ class Daemon:
         async with self._lock:
             if self.plan is None:
                 raise errors.ConfigError("nothing to restart: no model was brought up", hint="run `exl3local up`")
+            self.scheduler.reset()
             await self.sup.start(self.plan.spec)
             return self.status()
 
     async def stop_engine(self) -> dict[str, Any]:
         async with self._lock:
+            self.scheduler.reset()
             await self.sup.stop()
             return self.status()
 
@@ -182,6 +187,11 @@ class Daemon:
             "events": list(self.events),
         })  # fmt: skip
         st["log_errors"] += self.sup.output_errors
+        st["keep_alive_s"] = self.scheduler.keep_alive_s()
+        st["idle_since"], st["idle_freed_bytes"] = None, None
+        if self.scheduler.idle:
+            st.update(state=EngineState.IDLE.value, idle_since=self.scheduler.idle_since,
+                      idle_freed_bytes=self.scheduler.freed_bytes)
         st.update(stats.memory_fields(st["engine_pid"], p.gpu.kind if p else None))
         return st
 

@@ -1,0 +1,67 @@
+"""Keep-alive (daemon/scheduler.py): with no request for the keep-alive time the engine gives its memory
+back (IDLE), and the next request through the endpoint starts it again. Real daemon and stand-in engine
+processes; the in-flight rule with a fake daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import httpx
+
+from exl3local.api.protocol import EngineState
+from exl3local.daemon.scheduler import Scheduler
+
+from private_user import pid_alive
+
+TINY = "tiny-llama-exl3-4.0bpw"
+
+
+def test_an_idle_engine_is_unloaded_and_the_next_request_wakes_it(box, tiny_models):
+    up = box.cli("up", str(tiny_models[TINY]), "--set", "endpoint.keep_alive=2s")
+    assert up.returncode == 0, up.stderr
+    ready = box.wait_status(lambda s: s["state"] == "READY")
+    assert ready["keep_alive_s"] == 2
+    t0 = time.monotonic()
+    idle = box.wait_status(lambda s: s["state"] == "IDLE", timeout=30)
+    waited = time.monotonic() - t0
+    print(f"IDLE {waited:.1f} s after READY (keep_alive 2 s)")
+    assert waited + ready["uptime_s"] >= 1.9  # counted from READY, not from `up` (loading is not idling)
+    leader, child = box.engines()[-1]
+    assert not pid_alive(leader) and not pid_alive(child) and idle["engine_pid"] is None
+    assert idle["idle_freed_bytes"] > 10 * 2**20 and idle["idle_since"] <= time.time()
+    text = box.cli("status").stdout
+    assert "IDLE since" in text and "freed; the next request starts it" in text and "unloaded after 2s" in text, text
+    # the next request starts the same engine again and is answered, not refused
+    t0 = time.monotonic()
+    models = httpx.get(f"http://127.0.0.1:{box.engine_port}/v1/models", timeout=60)
+    print(f"woken and answered in {time.monotonic() - t0:.1f} s")
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "standin"
+    st = box.wait_status(lambda s: s["state"] in ("READY", "IDLE"))
+    assert len(box.engines()) == 2 and st["restarts"] == 0
+
+
+async def test_no_unload_while_a_request_is_in_flight():
+    stopped = []
+    clock = SimpleNamespace(now=0.0)
+
+    async def stop():
+        stopped.append(True)
+        sup.state = EngineState.STOPPED
+
+    sup = SimpleNamespace(state=EngineState.READY, stop=stop, snapshot=lambda: {"engine_pid": None})
+    plan = SimpleNamespace(profile=SimpleNamespace(endpoint={"keep_alive": "30s"}))
+    daemon = SimpleNamespace(sup=sup, plan=plan, _lock=asyncio.Lock(), engine_log=SimpleNamespace(mark=print))
+    sched = Scheduler(daemon, clock=lambda: clock.now)
+    sched.begin()  # a long generation: nothing is sent for longer than the keep-alive
+    clock.now = 100.0
+    await sched.tick()
+    assert stopped == []
+    sched.end()
+    clock.now = 120.0
+    await sched.tick()
+    assert stopped == []  # 20 s since the request ended
+    clock.now = 131.0
+    await sched.tick()
+    assert stopped == [True] and sched.idle
