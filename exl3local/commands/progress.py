@@ -32,6 +32,8 @@ PHASES = (
     Phase("reading the model config", re.compile(r"APIServer pid=|non-default args|Resolved architecture")),
     Phase("starting the engine process", re.compile(r"Initializing a V1 LLM engine|EngineCore pid")),
     Phase("loading weights", re.compile(r"Starting to load model|checkpoint shards|Loading weights took")),
+    # the plugin's load-time kernel self-test (kernels/selftest.py): its first compiles can take minutes on an iGPU
+    Phase("checking EXL3 kernels", re.compile(r"exl3local: self-test")),
     Phase("allocating the KV cache", re.compile(r"KV cache size|for KV cache|Available KV cache memory|"
                                                 r"num_gpu_blocks")),
     Phase("warming up / compiling", re.compile(r"[Ww]arming up|Compiling a graph|torch\.compile takes|"

@@ -84,3 +84,13 @@ def test_status_lists_kernel_paths_out_of_service():
     assert lines[0] == "kernels   gemv latched off: TritonLinearKernel at 2.5-bit mul1: self-test gemv_split_k failed"
     assert any(line.startswith("kernels   reference fallback:") for line in lines)
     assert kernel_notes(Daemon(None)) == []
+
+
+def test_up_shows_the_kernel_check_as_a_start_up_phase():
+    from exl3local.commands.progress import StartupPhases
+
+    phases = StartupPhases()
+    phases.feed("(EngineCore pid=7) INFO Loading weights took 3.10 seconds")
+    label = phases.feed("exl3local: self-testing TritonLinearKernel at 4-bit mul1 on xpu:0 (kernels compile on first use)")
+    assert label == "checking EXL3 kernels"
+    assert phases.feed("(EngineCore pid=7) INFO Available KV cache memory: 2.00 GiB") == "allocating the KV cache"
