@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from exl3local.errors import BudgetError
+# What the machine has (RAM, TTM's limit, the runtime's view of the device): machine/memory.py; named here too.
+from exl3local.machine.memory import DeviceMemory, MemorySnapshot
 # Multimodal configs (Qwen3.5) nest the language model under text_config; the manifest owns that rule.
 from exl3local.manifest import text_config
 from exl3local.profiles import speculative_config
@@ -36,89 +37,6 @@ class CheckpointLike(Protocol):
 
     @property
     def weight_bytes(self) -> int: ...
-
-
-PAGE_BYTES = 4096  # TTM counts pages of the kernel's base page size (4 KiB on x86)
-# The per-node counters the kernel publishes in sysfs; "available" as the kernel estimates it: free pages plus
-# the page cache and slab it can reclaim.
-_NODE_AVAILABLE = ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable")
-
-
-@dataclass(frozen=True)
-class MemorySnapshot:
-    total_bytes: int  # RAM
-    available_bytes: int  # RAM the OS can hand out now (psutil: free + reclaimable cache)
-    # TTM's global page limit (/sys/module/ttm/parameters/pages_limit, half of RAM by default): beyond it
-    # the kernel swaps GPU buffers out; an iGPU's buffers count against it. None: not readable.
-    gpu_pages_limit_bytes: int | None = None
-
-    @classmethod
-    def now(cls) -> MemorySnapshot:
-        return cls.read(Path("/sys"))
-
-    @classmethod
-    def read(cls, sysfs_root: Path) -> MemorySnapshot:
-        """RAM and TTM's page limit as the machine under `sysfs_root` has them. The real /sys takes RAM from
-        /proc/meminfo (psutil); another tree (a fixture, a copy of another machine's /sys) from its NUMA nodes'
-        meminfo, falling back to this machine's RAM when the tree has none."""
-        root = Path(sysfs_root)
-        limit = _ttm_pages_limit(root)
-        nodes = _node_meminfo(root) if root != Path("/sys") else None
-        if nodes is not None:
-            return cls(nodes[0], nodes[1], limit)
-        import psutil
-
-        vm = psutil.virtual_memory()
-        blocks = _memory_blocks(root) if root != Path("/sys") else None
-        if blocks is not None:  # RAM size only: what is in use is this machine's, at most all of it
-            return cls(blocks, max(0, blocks - (int(vm.total) - int(vm.available))), limit)
-        return cls(int(vm.total), int(vm.available), limit)
-
-
-def _ttm_pages_limit(root: Path) -> int | None:
-    try:
-        pages = int((root / "module" / "ttm" / "parameters" / "pages_limit").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pages * PAGE_BYTES if pages > 0 else None
-
-
-def _memory_blocks(root: Path) -> int | None:
-    """RAM from memory hotplug blocks: devices/system/memory/block_size_bytes (hex) x the blocks online."""
-    mem = root / "devices" / "system" / "memory"
-    try:
-        size = int((mem / "block_size_bytes").read_text().strip(), 16)
-    except (OSError, ValueError):
-        return None
-    online = 0
-    for state in mem.glob("memory*/state"):
-        try:
-            online += state.read_text().strip() == "online"
-        except OSError:
-            continue
-    return size * online if online else None
-
-
-def _node_meminfo(root: Path) -> tuple[int, int] | None:
-    """(total, available) summed over devices/system/node/node*/meminfo ("Node 0 MemTotal: 32768 kB")."""
-    total = avail = 0
-    found = False
-    for path in sorted((root / "devices" / "system" / "node").glob("node*/meminfo")):
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            parts = line.split()
-            if len(parts) < 4 or not parts[3].isdigit():
-                continue
-            key, kib = parts[2].rstrip(":"), int(parts[3]) * 1024
-            if key == "MemTotal":
-                total += kib
-                found = True
-            elif key in _NODE_AVAILABLE:
-                avail += kib
-    return (total, min(avail, total)) if found else None
 
 
 @dataclass(frozen=True)
@@ -242,16 +160,6 @@ def cache_layout(config: dict[str, Any], profile: Any) -> CacheLayout:
 def model_max_len(config: dict[str, Any]) -> int | None:
     value = text_config(config).get("max_position_embeddings")
     return int(value) if isinstance(value, int) else None
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """The device's memory as the engine's runtime reports it (torch.xpu.mem_get_info in the engine's
-    interpreter, machine/xpu.py): the numbers vLLM's start-up check compares."""
-
-    total_bytes: int
-    free_bytes: int | None  # None: the runtime was not asked (no XPU runtime on this machine)
-    source: str
 
 
 def runtime_total(gpu: Any, device_memory: DeviceMemory | None) -> int | None:

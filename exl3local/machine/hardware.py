@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from exl3local.machine.memory import MemorySnapshot
+
 log = logging.getLogger(__name__)
 
 INTEL = 0x8086
@@ -289,8 +291,6 @@ def probe(sysfs_root: Path = SYSFS, *, use_udev: bool | None = None, mem_total_b
     sysfs_root = Path(sysfs_root)
     real_sys = sysfs_root == SYSFS
     if mem_total_bytes is None and not real_sys:
-        from exl3local.machine.budget import MemorySnapshot  # lazy: budget pulls in profiles; setup probes without them
-
         mem_total_bytes = MemorySnapshot.read(sysfs_root).total_bytes  # an iGPU's share of *that* machine's RAM
     minors: dict[Path, dict[str, str]] = {}
     if use_udev is None:
