@@ -1,11 +1,9 @@
 """EXL3 models from the Hugging Face hub (`exl3local pull`), checked before any weight byte moves.
 
 A pull, with the real huggingface_hub client (its cache, token and HF_* variables):
-1. resolve REPO:REVISION to a commit; everything after is pinned to that commit;
-2. list the tree at the commit, fetch config.json / quantization_config.json / the index into memory and read
-   each safetensors header with two HTTP range reads (length, then exactly the header);
-3. run `manifest.read` on a header-only replica (sparse files of the real size), then the architecture check
-   against the installed vLLM, the fit check (`--force` skips only this one) and the disk check;
+1-3. models.preflight: resolve REPO:REVISION to a commit (everything after is pinned to it), read config and
+   safetensors headers with range reads, `manifest.read` them and check the architecture against the vLLM of
+   the engine's interpreter; here then the fit check (`--force` skips only this one) and the disk check;
 4. download each LFS file into `<repo cache>/.exl3local-staging/<etag>.part` (kept on Ctrl-C or a dropped
    connection; the next pull resumes it with a Range request), check its sha256, rename it into `blobs/`;
 5. `snapshot_download` at the commit links those blobs and fetches the small files; checksums of every file
@@ -22,11 +20,10 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,212 +31,23 @@ from urllib.parse import urlsplit
 from exl3local import paths
 from exl3local.errors import CheckpointError, Exl3Error
 from exl3local.machine.select import select
-from exl3local.manifest import MARKER_VALUES, MAX_HEADER_BYTES, Manifest
+from exl3local.manifest import Manifest
 from exl3local.manifest import read as read_manifest
+from exl3local.models.preflight import (
+    STAGING_DIR,
+    Plan,
+    RemoteFile,
+    known_architectures,
+    missing_bytes,
+    preflight,
+    resolve,
+)
 from exl3local.models.store import ModelRef, PulledModel, default_ref, find, hub_cache, record_path, repo_folder
 from exl3local.units import format_bytes
 
-STAGING_DIR = ".exl3local-staging"
 # Leave room beside the model: the hub cache shares the disk with everything else.
 DISK_MARGIN_BYTES = 1 << 30
-SMALL_FILES = ("config.json", "quantization_config.json", "model.safetensors.index.json")
 HASH_CHUNK = 8 << 20
-
-
-@dataclass(frozen=True)
-class RemoteFile:
-    path: str
-    size: int
-    blob_id: str  # git sha1 of the file (of the LFS pointer for LFS files)
-    sha256: str | None  # LFS files only
-
-    @property
-    def lfs(self) -> bool:
-        return self.sha256 is not None
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What preflight found: the pinned commit, its files, and the manifest of its headers."""
-
-    ref: ModelRef
-    commit: str
-    files: tuple[RemoteFile, ...]
-    manifest: Manifest
-    missing_bytes: int  # what the download still has to transfer (partial .part files count as done)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-
-# ---------------------------------------------------------------------------------------------
-# preflight: everything that can be checked without weights
-
-
-def _hub_error(ref: ModelRef, err: Exception) -> Exl3Error:
-    """Turn huggingface_hub's errors into one clear line with a next step."""
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        OfflineModeIsEnabled,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    if isinstance(err, RevisionNotFoundError):
-        return Exl3Error(f"{ref.repo_id} has no revision {ref.revision!r}", hint="EXL3 repos keep one branch per bit rate; check the repo's branches")
-    if isinstance(err, GatedRepoError):
-        return Exl3Error(f"{ref.repo_id} is gated", hint="accept its terms on the hub, then `hf auth login`")
-    if isinstance(err, RepositoryNotFoundError):
-        return Exl3Error(f"{ref.repo_id}: no such repo on the hub (or it is private)", hint="check the name; for a private repo, `hf auth login`")
-    if isinstance(err, OfflineModeIsEnabled):
-        return Exl3Error(f"{ref} is not pulled and HF_HUB_OFFLINE is set", hint="unset HF_HUB_OFFLINE to download it")
-    return Exl3Error(f"{ref}: the hub could not be reached ({type(err).__name__}: {err})", hint="check the network or HF_ENDPOINT, then pull again")
-
-
-def _get(url: str, headers: dict[str, str] | None = None) -> bytes:
-    from huggingface_hub import get_session, hf_raise_for_status
-    from huggingface_hub.utils import build_hf_headers
-
-    response = get_session().get(url, headers={**build_hf_headers(), **(headers or {})}, follow_redirects=True)
-    hf_raise_for_status(response)
-    return response.content
-
-
-def _read_remote_header(url: str, name: str, size: int) -> bytes:
-    """The 8-byte length and the JSON header of a remote safetensors file, and not one byte more."""
-    if size < 8:
-        raise CheckpointError(name, None, "a safetensors file of at least 8 bytes", f"{size} bytes")
-    length = int.from_bytes(_get(url, {"Range": "bytes=0-7"})[:8], "little")
-    if length > min(size - 8, MAX_HEADER_BYTES):
-        raise CheckpointError(name, None, f"a header of at most {min(size - 8, MAX_HEADER_BYTES)} bytes", f"a declared header length of {length}")
-    header = _get(url, {"Range": f"bytes=8-{7 + length}"})
-    if len(header) != length:
-        raise CheckpointError(name, None, f"{length} header bytes", f"{len(header)} (the server ignored the Range request?)")
-    return length.to_bytes(8, "little") + header
-
-
-def _write_replica(root: Path, name: str, head: bytes, size: int) -> None:
-    """A sparse file of the real size holding only the header, so `manifest.read` sees the true layout.
-
-    manifest.read also reads the 4-byte codebook markers, which are tensor data, not header. The replica
-    carries the value each marker's name stands for; the real values are checked after the download,
-    by `manifest.read` on the snapshot, before the model is recorded.
-    """
-    path = root / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        header = json.loads(head[8:])
-    except ValueError:
-        header = None  # manifest.read reports it, naming the file
-    with path.open("wb") as f:
-        f.write(head)
-        for tensor, entry in header.items() if isinstance(header, dict) else ():
-            codebook = tensor.rpartition(".")[2]
-            if codebook in MARKER_VALUES and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list):
-                f.seek(len(head) + int(entry["data_offsets"][0]))
-                f.write(MARKER_VALUES[codebook].to_bytes(4, "little"))
-        f.truncate(size)
-
-
-def known_architectures() -> frozenset[str]:
-    """Model classes the installed vLLM can serve (imports vLLM's registry: a few seconds, once)."""
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    return frozenset(ModelRegistry.get_supported_archs())
-
-
-def resolve(ref: ModelRef) -> str:
-    """The commit REVISION names now (one API call). Everything after is pinned to it."""
-    import httpx2
-    from huggingface_hub import HfApi
-
-    try:
-        commit = HfApi().repo_info(ref.repo_id, revision=ref.revision).sha
-    except (httpx2.HTTPError, OSError) as err:
-        raise _hub_error(ref, err) from None
-    if commit is None:
-        raise Exl3Error(f"{ref}: the hub named no commit for this revision", hint="check that HF_ENDPOINT points at a hub")
-    return commit
-
-
-def preflight(
-    ref: ModelRef,
-    commit: str,
-    *,
-    architectures: Callable[[], frozenset[str]] = known_architectures,
-) -> Plan:
-    """List, read the headers and check them. Transfers no weight bytes; writes nothing to the cache."""
-    import httpx2
-    from huggingface_hub import HfApi, hf_hub_url
-    from huggingface_hub.hf_api import RepoFile
-
-    try:
-        files = tuple(
-            RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
-            for f in HfApi().list_repo_tree(ref.repo_id, recursive=True, revision=commit)
-            if isinstance(f, RepoFile)
-        )
-    except (httpx2.HTTPError, OSError) as err:
-        raise _hub_error(ref, err) from None
-    by_name = {f.path: f for f in files}
-    if "config.json" not in by_name:
-        raise CheckpointError(
-            "config.json", None, "a model config in the repo", "none", hint=f"{ref} is not a model checkpoint; nothing was downloaded"
-        )
-
-    def url(name: str) -> str:
-        return hf_hub_url(ref.repo_id, name, revision=commit)
-
-    with tempfile.TemporaryDirectory(prefix="exl3local-preflight-") as tmp:
-        root = Path(tmp)
-        try:
-            for name in SMALL_FILES:
-                if name in by_name:
-                    (root / name).write_bytes(_get(url(name)))
-            _check_config(root / "config.json")
-            for f in files:
-                if f.path.endswith(".safetensors"):
-                    _write_replica(root, f.path, _read_remote_header(url(f.path), f.path, f.size), f.size)
-        except (httpx2.HTTPError, OSError) as err:
-            raise _hub_error(ref, err) from None
-        try:
-            manifest = read_manifest(root)
-        except CheckpointError as err:
-            err.hint = err.hint or f"{ref} was refused before download; nothing was downloaded"
-            raise
-    if manifest.architecture not in architectures():
-        raise CheckpointError(
-            "config.json", "architectures", "a model class the installed vLLM knows", manifest.architecture,
-            hint="upgrade vLLM, or pick a model of a supported architecture; nothing was downloaded",
-        )
-    return Plan(ref, commit, files, manifest, _missing_bytes(ref.repo_id, files))
-
-
-def _check_config(path: Path) -> None:
-    """Refuse a non-EXL3 repo from its config alone, before any safetensors header is read."""
-    try:
-        qcfg = json.loads(path.read_text()).get("quantization_config")
-    except (ValueError, AttributeError) as err:
-        raise CheckpointError("config.json", None, "a JSON object", f"unreadable ({err})") from None
-    method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
-    if method != "exl3":
-        raise CheckpointError(
-            "config.json", "quantization_config.quant_method", '"exl3"', repr(method) if method else "no quantization_config",
-            hint="this is not an EXL3 checkpoint (exl3local serves EXL3 only); nothing was downloaded",
-        )
-
-
-def _missing_bytes(repo_id: str, files: tuple[RemoteFile, ...]) -> int:
-    folder = repo_folder(repo_id)
-    missing = 0
-    for f in files:
-        key = f.sha256 or f.blob_id
-        if (folder / "blobs" / key).exists():
-            continue
-        part = folder / STAGING_DIR / f"{key}.part"
-        missing += f.size - (part.stat().st_size if part.exists() else 0)
-    return missing
 
 
 def fits_this_machine(manifest: Manifest) -> None:
@@ -409,7 +217,7 @@ def fetch(plan: Plan, *, progress: bool = True) -> PulledModel:
                     _download_lfs(ref, plan.commit, f, folder)
             snapshot = Path(snapshot_download(ref.repo_id, revision=plan.commit))
         except (httpx2.HTTPError, OSError) as err:
-            done = plan.total_bytes - _missing_bytes(ref.repo_id, plan.files)
+            done = plan.total_bytes - missing_bytes(ref.repo_id, plan.files)
             raise Exl3Error(
                 f"{ref}: download interrupted after {format_bytes(done)} of {format_bytes(plan.total_bytes)} ({type(err).__name__}: {err})",
                 hint=f"run `exl3local pull {ref}` again: it resumes where it stopped",

@@ -145,6 +145,18 @@ def test_architecture_unknown_to_the_installed_vllm_is_refused(hub, hub_env):
     assert hub.weight_bytes_sent("other/tiny-llama-alien-arch") == 0
 
 
+def test_the_architecture_check_asks_the_engines_interpreter_not_the_clis(hub, hub_env, monkeypatch):
+    """Issue 24 item 7: the check imported vLLM in the CLI's own interpreter; the engine may run another one
+    (EXL3LOCAL_ENGINE_PYTHON). Here that one has no vLLM at all: the pull is refused before any weight byte."""
+    base = Path(sys._base_executable)
+    if subprocess.run([str(base), "-c", "import vllm"], capture_output=True).returncode == 0:
+        pytest.skip(f"{base} has vLLM too")
+    monkeypatch.setenv("EXL3LOCAL_ENGINE_PYTHON", str(base))
+    with pytest.raises(Exl3Error, match=f"could not list the model classes vLLM knows in the engine's Python {base}"):
+        _pull(f"{TINY}:4.0bpw", architectures=hub_mod.known_architectures)
+    assert hub.weight_bytes_sent(TINY) == 0 and store.records() == []
+
+
 def test_fit_check_refuses_and_force_overrides_only_it(hub, hub_env):
     def too_big(manifest):
         raise BudgetError(f"{manifest.architecture} does not fit")
