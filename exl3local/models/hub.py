@@ -137,7 +137,12 @@ class _HashingWriter:
 
 
 def _download_lfs(ref: ModelRef, commit: str, f: RemoteFile, folder: Path) -> None:
-    """One LFS file into staging (resuming a kept .part), sha256-checked, then renamed into blobs/."""
+    """One LFS file into staging (resuming a kept .part), sha256-checked, then renamed into blobs/.
+
+    Why file_download.http_get and not the public hf_hub_download: in huggingface_hub 2.4 hf_hub_download
+    writes into a process-unique temp file that it deletes when the transfer fails, so a pull interrupted
+    (Ctrl-C, a dropped laptop connection) would start a many-GB file over; http_get takes the kept prefix's
+    size and asks for the rest. tests/models/test_pull.py runs the resume against the installed version."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
