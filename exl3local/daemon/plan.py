@@ -23,6 +23,7 @@ from exl3local.machine import budget, hardware, transient
 from exl3local.machine.select import Device, find_device, model_choices, select
 from exl3local.models import store
 from exl3local.profiles import Profile, speculative_config
+from exl3local.units import format_gib
 
 ENGINE_HOST = "127.0.0.1"
 # vLLM serves on this Unix socket in its private 0700 temp dir; the daemon's endpoint on ENGINE_HOST:port
@@ -183,11 +184,22 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
         raise
     key = (str(model_dir), json.dumps(prof.to_json(), sort_keys=True), port)
     return Plan(key=key, model_label=label, model_dir=model_dir, profile=prof,
-                profile_reason="; ".join([machine.reason, f"device: {machine.device.reason}", *fitted.notes]),
+                profile_reason="; ".join([machine.reason, f"device: {machine.device.reason}", *fitted.notes,
+                                          *_gpu_notes(bud, notes)]),
                 gpu=machine.gpu, budget=bud, spec=spec, device=device, notes=tuple(notes))
 
 
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default chunk when a profile sets none (at least this many rows per call)
+
+
+def _gpu_notes(bud: budget.Budget, notes: list[str]) -> list[str]:
+    """What `status` says beyond the profile on a GPU: the utilization vLLM's start check gets, and what the GPU
+    runtime could not tell (the CPU engine's reasons stay as they were)."""
+    if bud.gpu_memory_utilization is None:
+        return []
+    return [f"vLLM start check: --gpu-memory-utilization {bud.gpu_memory_utilization} (the engine holds "
+            f"{format_gib(bud.engine_bytes)})",
+            *(n for n in notes if n.startswith(("GPU runtime", "the GPU runtime")))]
 
 
 def plugin_transients(man: manifest.Manifest, prof: Profile, environ: Mapping[str, str]) -> transient.Transient:

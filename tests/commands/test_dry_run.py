@@ -84,6 +84,8 @@ def test_a_pinned_igpu_engine_asks_vllm_for_what_it_holds(tmp_path, xdg, tiny, r
     util = float(flag(argv, "--gpu-memory-utilization"))
     assert util == math.ceil(bud["engine_bytes"] * 10_000 / device_total) / 10_000 < 0.92
     assert math.ceil(device_total * util) >= bud["engine_bytes"]  # what vLLM asks covers what the engine holds
+    # `status` says it too (the plan's reasons are the status's profile_reason)
+    assert f"vLLM start check: --gpu-memory-utilization {util} " in "; ".join(plan["profile_reasons"]) + " "
     # the iGPU's buffers stay under TTM's page limit (half of RAM by default)
     ttm = plan["memory"]["ttm_pages_limit_bytes"]
     assert ttm == ram // 2 // PAGE * PAGE
