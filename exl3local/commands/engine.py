@@ -20,11 +20,13 @@ from typing import Any
 import psutil
 
 from exl3local import env, paths, profiles
+from exl3local.api import lognoise
 from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import DaemonStatus, EngineState, UpRequest
 from exl3local.daemon import main as daemon_main
 from exl3local.daemon.server import Daemon
 from exl3local.commands.progress import UpProgress
+from exl3local.commands.selftest import kernel_notes
 from exl3local.desktop import service
 from exl3local.engine import apikey
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
@@ -91,6 +93,12 @@ def ensure_daemon(client: Any) -> None:
                     hint=f"see {paths.daemon_log()}")
 
 
+DEMO_NOTE = ("The demo model is a tiny test checkpoint: it writes nonsense by design, and checks the plumbing (the "
+             "endpoint, tool calls, keys, the dashboard).\nFor a real model: `exl3local up` serves this machine's "
+             "profile's default model (asking before the download), or `exl3local pull REPO[:REVISION]`, then "
+             "`exl3local up REPO`.")
+
+
 def _print_ready(st: Any) -> None:
     kv = f"KV {format_bytes(st.kv_budget_bytes)} = {st.kv_budget_tokens} tokens" if st.kv_budget_bytes else "KV -"
     print(f"READY  {st.model}  (profile {st.profile}, {st.gpu.name if st.gpu else '?'}, {kv})")
@@ -133,6 +141,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         finally:
             progress.done()
     _print_ready(st)
+    if req.demo:
+        print(DEMO_NOTE)
     return 0
 
 
@@ -174,7 +184,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help=f"port of the OpenAI endpoint on 127.0.0.1 (default {env.ENGINE_PORT.get()}"
                    f"{', from ' if env.ENGINE_PORT.name in os.environ else ': set '}{env.ENGINE_PORT.name})")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one profile setting (repeatable)")
-    p.add_argument("--demo", action="store_true", help="serve the tiny EXL3 demo model bundled in the package")
+    p.add_argument("--demo", action="store_true", help="serve the tiny EXL3 demo model bundled in the package (it writes "
+                   "nonsense by design: a plumbing check)")
     p.add_argument("--foreground", action="store_true", help="run the daemon in this terminal; Ctrl-C stops all")
     p.add_argument("--dry-run", action="store_true", help="print the engine command line, environment, KV budget "
                    "and profile reasons; start nothing (EXL3LOCAL_SYSFS may point at another machine's tree)")
@@ -221,7 +232,8 @@ def _exited(pid: int | None) -> bool:
 
 
 def _add_down(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("down", help="stop the engine and the daemon")
+    p = sub.add_parser("down", help="stop the engine and the daemon", description="Stop the engine and the "
+                       "daemon, and wait until both are gone (a daemon started by systemd is started again by it).")
     p.set_defaults(handler=_cmd_down)
 
 
@@ -274,7 +286,10 @@ def _key_state(required: bool | None) -> str:
 def _cmd_status(args: argparse.Namespace) -> int:
     with DaemonClient() as client:
         st = client.status()
+        off = [] if args.json else kernel_notes(client)  # #20 self-check: kernel paths out of service, and why
     print(json.dumps(st.raw, indent=2) if args.json else format_status(st))
+    for line in off:
+        print(line)
     return 0
 
 
@@ -284,14 +299,23 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_status)
 
 
+def _shown(text: str, show_all: bool) -> str:
+    """Engine output with library noise folded (lognoise), unless --all; a last partial line stays as it is."""
+    if show_all:
+        return text
+    lines = text.split("\n")
+    last = lines.pop()
+    return "".join(f"{line}\n" for line in lognoise.fold(lines)) + last
+
+
 def _cmd_logs(args: argparse.Namespace) -> int:
     with DaemonClient() as client:
         try:
             if args.follow:
                 for text in client.follow_logs(tail=args.lines):
-                    sys.stdout.write(text)
+                    sys.stdout.write(_shown(text, args.all))
                     sys.stdout.flush()
-            sys.stdout.write(client.logs(tail=args.lines).text)
+            sys.stdout.write(_shown(client.logs(tail=args.lines).text, args.all))
             return 0
         except DaemonUnavailable:
             if args.follow:
@@ -299,7 +323,7 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     # No daemon: the file is still there, and most useful right after a crash.
     log = paths.engine_log()
     lines = log.read_text(errors="replace").splitlines(keepends=True)[-args.lines:] if log.exists() else []
-    sys.stdout.write("".join(lines))
+    sys.stdout.write(_shown("".join(lines), args.all))
     return 0
 
 
@@ -307,6 +331,8 @@ def _add_logs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logs", help="the engine's log")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     p.add_argument("-n", "--lines", type=int, default=200, help="how many lines to start with (default 200)")
+    p.add_argument("--all", action="store_true", help="show library noise too (Triton CPU backend, tcmalloc, ulimit, "
+                   "Python warnings...), which is otherwise folded into one line per run; engine.log has every line")
     p.set_defaults(handler=_cmd_logs)
 
 
