@@ -4,6 +4,7 @@ The same layers in the real engine: tests/models/test_demo_endpoint.py."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from types import MappingProxyType
@@ -84,3 +85,43 @@ def test_launch_loads_the_tools_off_layer_only_when_tools_are_off_and_the_warm_u
         layers = [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"]
         assert (launch.TOOLS_OFF_MIDDLEWARE in layers) is tools_off
         assert layers[-1] == launch.WARMUP_MIDDLEWARE
+
+
+async def test_health_says_200_only_after_one_logprobs_completion_went_through_the_app(monkeypatch):
+    """Issue 24 item 3, on a starlette app that checks the key as vLLM does; the real engine (over --uds):
+    tests/models/test_demo_endpoint.py."""
+    from starlette.responses import PlainTextResponse
+
+    from exl3local.engine import warmup
+
+    monkeypatch.setenv(warmup.API_KEY_ENV, "k-123")
+    completions: list[dict] = []
+    release = asyncio.Event()
+
+    async def health(request):
+        return PlainTextResponse("")
+
+    async def complete(request):
+        if request.headers.get("authorization") != "Bearer k-123":
+            return JSONResponse({"error": "unauthorized"}, status_code=401)
+        completions.append(await request.json())
+        await release.wait()  # the first logprobs compile
+        return JSONResponse({"choices": [{"text": "x"}]})
+
+    app = Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                            Route("/v1/completions", complete, methods=["POST"])],
+                    middleware=[Middleware(warmup.WarmUpBeforeReady)])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as c:
+        assert (await c.get("/health")).status_code == 503
+        for _ in range(100):
+            if completions:
+                break
+            await asyncio.sleep(0.01)
+        assert completions == [{"model": "m", "prompt": "Hello", "max_tokens": 1, "temperature": 0, "logprobs": 1}]
+        assert (await c.get("/health")).status_code == 503  # still compiling
+        release.set()
+        for _ in range(100):
+            if (await c.get("/health")).status_code == 200:
+                break
+            await asyncio.sleep(0.01)
+        assert (await c.get("/health")).status_code == 200 and len(completions) == 1
