@@ -28,7 +28,7 @@ from exl3local.kernels import reference
 from exl3local.kernels.codebook import CODEBOOKS
 from exl3local.kernels.hadamard import HADAMARD_BLOCK
 
-BACKENDS = ("triton", "cpu", "reference")
+BACKENDS = ("triton", "triton_dense", "cpu", "reference")
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -207,6 +207,32 @@ class TritonLinearKernel(Exl3Kernel):
         return launch
 
 
+class TritonReconstructKernel(Exl3Kernel):
+    """Triton's dense reconstruct + vendor matmul (triton_gemm) at every row count: the next candidate after
+    TritonLinearKernel where its GEMV launches fail the load-time self-test (kernels/selftest.py) but the decode
+    and reconstruct kernels pass: W is rebuilt per call, far faster than the reference on a GPU. Not bound as
+    fused launches (its backend is not "triton"), and the grouped MoE kernel stays off with it."""
+
+    backend = "triton_dense"
+
+    @classmethod
+    def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
+        return TritonLinearKernel.refuse(spec, device)
+
+    def path_for(self, rows: int) -> KernelPath:
+        return KernelPath.RECONSTRUCT_GEMM
+
+    def apply(self, x, trellis, suh, svh, bias=None):
+        from exl3local.kernels import triton_gemm
+
+        spec = self.spec
+        x2d = x.reshape(-1, spec.size_k)
+        if x2d.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], spec.size_n)
+        y = triton_gemm.reconstruct_gemm(x2d.contiguous(), trellis, suh, svh, spec.bits, spec.codebook, bias)
+        return y.reshape(*x.shape[:-1], spec.size_n)
+
+
 class CpuLinearKernel(Exl3Kernel):
     """kernels/cpu: the C++ library (AVX-512 or portable tier), bound per layer tensor set on first use."""
 
@@ -251,8 +277,8 @@ class CpuLinearKernel(Exl3Kernel):
 # Per device type, best first. On CPU the C++ kernel goes first; without it (no compiler) the reference,
 # which beats Triton's interpreter (that exists for correctness tests only: forced by backend=).
 CANDIDATES: dict[str, tuple[type[Exl3Kernel], ...]] = {
-    "cuda": (TritonLinearKernel, TorchReferenceKernel),
-    "xpu": (TritonLinearKernel, TorchReferenceKernel),
+    "cuda": (TritonLinearKernel, TritonReconstructKernel, TorchReferenceKernel),
+    "xpu": (TritonLinearKernel, TritonReconstructKernel, TorchReferenceKernel),
     "cpu": (CpuLinearKernel, TorchReferenceKernel, TritonLinearKernel),
 }
 
@@ -272,7 +298,7 @@ def choose_kernel(
     """The first candidate for `device` that accepts `spec`; NoKernelError lists every refusal.
 
     `disabled` holds class names to skip (defaults come from EXL3LOCAL_DISABLED_KERNELS via `prepare`);
-    `backend` ("triton" | "cpu" | "reference") keeps only that backend's kernels.
+    `backend` ("triton" | "triton_dense" | "cpu" | "reference") keeps only that backend's kernels.
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")

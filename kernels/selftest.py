@@ -49,7 +49,7 @@ def wanted(kernel: type, device: torch.device) -> bool:
         return False
     if mode in ("1", "on", "true", "yes"):
         return True
-    return not (kernel.backend == "triton" and device.type == "cpu")
+    return not (kernel.backend.startswith("triton") and device.type == "cpu")
 
 
 def set_publisher(publish: Callable[[list[Result], dict[str, str]], None] | None) -> None:
@@ -60,7 +60,8 @@ def set_publisher(publish: Callable[[list[Result], dict[str, str]], None] | None
 
 # The kernel paths (dispatch.KernelPath, as the trace counts them) a refused kernel would have served; the
 # Triton kernel also serves the MoE ladder's grouped paths (kernels/moe_layer.py).
-SERVED_PATHS = {"TritonLinearKernel": ("gemv", "reconstruct_gemm", "moe_decode", "moe_verify", "moe_grouped")}
+SERVED_PATHS = {"TritonLinearKernel": ("gemv", "reconstruct_gemm", "moe_decode", "moe_verify", "moe_grouped"),
+                "TritonReconstructKernel": ("reconstruct_gemm",)}
 
 
 def refused_paths() -> dict[str, str]:

@@ -306,6 +306,8 @@ def checks_for(kernel: type, device: torch.device, bits: float = 4, codebook: st
         return {"reference": _check_reference}
     if kernel.backend == "triton":
         return triton_checks(device)
+    if kernel.backend == "triton_dense":  # Triton's decode and reconstruct kernels only
+        return {name: check for name, check in triton_checks(device).items() if name in ("decode", "reconstruct_gemm")}
     from exl3local.kernels.dispatch import DeviceInfo, KernelSpec
 
     instance = kernel(KernelSpec(*SIZES[kind(device)][0], bits, codebook), DeviceInfo.of(device))

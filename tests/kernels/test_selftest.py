@@ -157,3 +157,43 @@ def test_bound_launches_take_tritons_path_where_the_direct_launch_is_refused(fre
 
     monkeypatch.setattr(selftest, "DIRECT_LAUNCH_TESTED", {"cuda": (selftest.release_of(triton.__version__),)})
     assert FusedLaunch(trellis, suh, svh, 4, "mul1").fused.hooks is not None
+
+
+def test_triton_gemv_failing_on_a_gpu_falls_to_the_reconstruct_kernel_then_the_reference(fresh, monkeypatch):
+    """The GPU order: TritonLinearKernel, TritonReconstructKernel (another Triton config: dense W_r per call), the
+    reference. The checks are stood in for (no GPU here); the choice and its reasons are the dispatch's own."""
+    from exl3local.kernels import selftest_checks
+    from exl3local.kernels.dispatch import DeviceInfo, TritonReconstructKernel, choose_kernel
+
+    def failing(*args):
+        return False, float("nan"), None, "non-finite output"
+
+    def passing(*args):
+        return True, 0.0, 1.0, ""
+
+    broken = {"TritonLinearKernel"}
+    monkeypatch.setattr(selftest_checks, "checks_for", lambda kernel, device, bits, codebook: {
+        "gemv_split_k" if kernel.backend == "triton" else "reconstruct_gemm":
+            failing if kernel.__name__ in broken else passing})
+    monkeypatch.setattr(TritonLinearKernel, "refuse", classmethod(lambda cls, spec, device: None))
+    cuda = DeviceInfo("cuda")
+    assert choose_kernel(SPEC, cuda, verify=torch.device("cuda", 0)) is TritonReconstructKernel
+    broken.add("TritonReconstructKernel")
+    spec = KernelSpec(128, 128, 4, "mul1")  # another rate: checked afresh
+    assert choose_kernel(spec, cuda, verify=torch.device("cuda", 0)) is TorchReferenceKernel
+    assert set(selftest.refused_paths()) >= {"gemv", "reconstruct_gemm", "moe_decode"}
+
+
+@interpreted
+def test_reconstruct_kernel_matches_the_reference_and_passes_its_checks():
+    from exl3local.kernels import selftest_checks
+    from exl3local.kernels.dispatch import DeviceInfo, TritonReconstructKernel
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    trellis, suh, svh = selftest_checks._layer(128, 256, 3, "mcg", device, seed=4)
+    x = torch.randn(2, 5, 128).half().to(device)
+    y = TritonReconstructKernel(KernelSpec(128, 256, 3, "mcg"), DeviceInfo.of(device)).apply(x, trellis, suh, svh)
+    expected = reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), 3, "mcg")
+    assert y.shape == (2, 5, 256) and selftest_checks._rel_err(y, expected) < selftest.TOLERANCE
+    got = selftest.run_kernel(TritonReconstructKernel, 3, "mcg", device)
+    assert [r.path for r in got] == ["decode", "reconstruct_gemm"] and all(r.ok for r in got)
