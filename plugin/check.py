@@ -43,7 +43,8 @@ def _random(k: int, n: int, bits: float, codebook: str, seed: int, lead: tuple =
     g = torch.Generator().manual_seed(seed)
     trellis = torch.randint(-32768, 32768, (*lead, k // 16, n // 16, reference.words_per_tile(bits)), generator=g,
                             dtype=torch.int16)
-    return trellis, (torch.randn(*lead, k, generator=g) * 0.05).half(), (torch.randn(*lead, n, generator=g) * 0.05).half()
+    suh = (torch.randn(*lead, k, generator=g) * 0.05).half()
+    return trellis, suh, (torch.randn(*lead, n, generator=g) * 0.05).half()
 
 
 def check_linear(device: torch.device) -> dict:

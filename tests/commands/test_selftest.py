@@ -91,6 +91,7 @@ def test_up_shows_the_kernel_check_as_a_start_up_phase():
 
     phases = StartupPhases()
     phases.feed("(EngineCore pid=7) INFO Loading weights took 3.10 seconds")
-    label = phases.feed("exl3local: self-testing TritonLinearKernel at 4-bit mul1 on xpu:0 (kernels compile on first use)")
+    label = phases.feed("exl3local: self-testing TritonLinearKernel at 4-bit mul1 on xpu:0 (kernels compile on first "
+                        "use)")
     assert label == "checking EXL3 kernels"
     assert phases.feed("(EngineCore pid=7) INFO Available KV cache memory: 2.00 GiB") == "allocating the KV cache"

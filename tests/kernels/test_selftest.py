@@ -107,7 +107,8 @@ def test_split_k_read_of_an_unfinished_workspace_is_caught(monkeypatch):
     monkeypatch.setattr(bound.FusedLaunch, "launch", skipped_handshake)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     checks = selftest_checks.triton_checks(device)
-    ok, _, _, detail = checks["gemv_split_k"](4, "3inst", device, selftest_checks.SIZES[selftest_checks.kind(device)][0])
+    shape = selftest_checks.SIZES[selftest_checks.kind(device)][0]
+    ok, _, _, detail = checks["gemv_split_k"](4, "3inst", device, shape)
     assert not ok and "non-finite" in detail
 
 
