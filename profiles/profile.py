@@ -161,6 +161,9 @@ SCHEMA: dict[str, dict[str, Callable[[object], Any]]] = {
         "cors_origins": _origins,
         # no request for this long: the engine gives its memory back (IDLE) until the next one; "never" keeps it
         "keep_alive": _keep_alive,
+        # requests in flight and no byte to any of them for this long (while /health answers): the engine
+        # is hung, killed and restarted; long enough for the longest prefill (default 300s)
+        "progress_timeout": _keep_alive,
     },
     "env": {},  # any NAME = "value"; checked by _env_value
     "memory": {

@@ -54,8 +54,13 @@ class _Forwarded(StreamingResponse):
     before or during the stream, an error), the engine connection is closed, which makes vLLM abort a
     request still running, and `done` is called once."""
 
-    def __init__(self, upstream: httpx.Response, done: Callable[[], None]) -> None:
-        super().__init__(upstream.aiter_raw(), upstream.status_code)
+    def __init__(self, upstream: httpx.Response, done: Callable[[], None], progress: Callable[[], None]) -> None:
+        async def chunks() -> Any:
+            async for chunk in upstream.aiter_raw():
+                progress()
+                yield chunk
+
+        super().__init__(chunks(), upstream.status_code)
         self.raw_headers = [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() not in HOP_BY_HOP]
         self._upstream = upstream
         self._done = done
@@ -170,10 +175,12 @@ class Front:
             resp = await client.send(upstream, stream=True)
         except httpx.TransportError as exc:
             scheduler.end()
-            return openai_error(502, f"the engine did not answer: {type(exc).__name__}", "bad_gateway",
-                                retry_after_s=1)
+            # a hung engine killed under a waiting request lands here too
+            return openai_error(503, f"the engine did not answer ({type(exc).__name__}); it is being restarted "
+                                "if it hung", "service_unavailable", retry_after_s=1)
 
-        return _Forwarded(resp, scheduler.end)
+        scheduler.progress()  # the headers are a byte too
+        return _Forwarded(resp, scheduler.end, scheduler.progress)
 
     async def engine_get(self, path: str) -> httpx.Response:
         """GET on the engine itself (the daemon's /api/metrics)."""

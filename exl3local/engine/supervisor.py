@@ -132,6 +132,7 @@ class Supervisor:
         self.progress = ""
         self.output_errors = 0  # chunks on_output failed to take (they still reach the tail)
         self.unkillable: str | None = None  # members that outlived SIGKILL (D state): why FAILED
+        self._hung: str | None = None  # declare_hung(): the reason, until the liveness loop acts on it
         self._cause = CauseFinder()
         self._previous_cause: str | None = None  # of the last start that failed before READY
         self._tail: deque[bytes] = deque()
@@ -219,6 +220,12 @@ class Supervisor:
             "exit_status": self.exit_status,
             "stderr_tail": self.stderr_tail,
         }
+
+    def declare_hung(self, reason: str) -> None:
+        """A hang seen from outside (the endpoint: requests in flight get no byte while /health answers):
+        the next liveness check kills the group and restarts it, with `reason` in last_error."""
+        if self.state == EngineState.READY:
+            self._hung = reason
 
     # ---- control ---------------------------------------------------------------------------
     async def start(self, spec: Any) -> None:
@@ -314,6 +321,7 @@ class Supervisor:
         }.get(outcome, f"the engine exited with status {status}")
 
     async def _launch(self) -> Process | None:
+        self._hung = None
         self._tail.clear()
         self._tail_len = 0
         self.progress = ""
@@ -364,6 +372,9 @@ class Supervisor:
             done, _ = await asyncio.wait({exited}, timeout=self.policy.liveness_poll_s)
             if done:
                 return "exit", proc.returncode, ""
+            if self._hung is not None:
+                reason, self._hung = self._hung, None
+                return "hung", None, reason
             states = self.states(proc.pid, None if check % 15 == 0 or not members else members)
             members, check = list(states), check + 1
             now_stopped = {pid for pid, st in states.items() if st in "Tt"}

@@ -65,3 +65,19 @@ async def test_no_unload_while_a_request_is_in_flight():
     clock.now = 131.0
     await sched.tick()
     assert stopped == [True] and sched.idle
+
+
+def test_requests_that_get_no_byte_while_health_answers_are_a_hang_and_restart(box, tiny_models):
+    up = box.cli("up", str(tiny_models[TINY]), "--set", "endpoint.progress_timeout=3s")
+    assert up.returncode == 0, up.stderr
+    first = box.wait_status(lambda s: s["state"] == "READY")["engine_pid"]
+    t0 = time.monotonic()
+    stuck = httpx.get(f"http://127.0.0.1:{box.engine_port}/hang", timeout=60)  # /health answers all along
+    waited = time.monotonic() - t0
+    assert stuck.status_code == 503 and stuck.json()["error"]["code"] == 503, stuck.text
+    assert 3 <= waited < 20, waited
+    st = box.wait_status(lambda s: s["last_error"] and "no byte" in s["last_error"])
+    assert "1 request(s) in flight got no byte for 3 s while /health still answered" in st["last_error"]
+    st = box.wait_status(lambda s: s["state"] == "READY" and s["restarts"] == 1)
+    print(f"hung request answered 503 after {waited:.1f} s; engine restarted")
+    assert st["engine_pid"] != first and not pid_alive(first)

@@ -6,6 +6,7 @@
   --uds PATH (or --host/--port). SIGTERM ends it and its child, like vLLM's own handler.
   STANDIN_LOAD_S: seconds of "loading" before the port is bound (default 0.3).
   GET /chatty prints 256 KiB before answering: an engine whose output is not drained blocks there.
+  GET /hang never answers (requests are served on threads: /health still answers meanwhile).
 - STANDIN_MODE=crash: prints a traceback tail and exits 1 at start (the same error every start).
 - STANDIN_MODE=crash_varying: the same, with another error message on every start.
 - STANDIN_MODE=hang: prints one line, then nothing, and never serves.
@@ -25,6 +26,7 @@ import tempfile
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from socketserver import ThreadingMixIn
 
 from exl3local.engine import launch
 
@@ -69,6 +71,8 @@ def main() -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 — http.server's naming
+            if self.path == "/hang":  # a request the engine never answers, while /health still does
+                time.sleep(3600)
             if self.path == "/chatty":  # 256 KiB: four times a pipe's buffer
                 for _ in range(256):
                     print("INFO standin: chatty " + "x" * 1003, flush=True)
@@ -82,8 +86,9 @@ def main() -> None:
             print("INFO standin: request", self.path, flush=True)
 
     if uds:
-        class UnixServer(HTTPServer):
+        class UnixServer(ThreadingMixIn, HTTPServer):
             address_family = socket.AF_UNIX
+            daemon_threads = True
 
             def server_bind(self) -> None:  # no host/port to record
                 self.socket.bind(self.server_address)
