@@ -22,7 +22,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.widgets import Log
 
-from exl3local.api import metrics
+from exl3local.api import lognoise, metrics
 from exl3local.api.client import AsyncDaemonClient
 from exl3local.api.protocol import DaemonStatus, EngineState
 from exl3local.errors import EngineError, Exl3Error
@@ -230,7 +230,7 @@ class Dashboard(App[None]):
         if tail is not None:
             if message.reset:
                 tail.clear()
-            tail.write_lines(lines)
+            tail.write_lines(lognoise.fold(lines))  # library noise as one line per run; `l` shows every line
         top = self.screen_stack[-1] if self.screen_stack else None  # empty while the app exits
         if isinstance(top, LogScreen):
             top.append(lines, message.reset)
