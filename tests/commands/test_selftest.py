@@ -15,6 +15,7 @@ from rich.console import Console
 
 from exl3local.commands.selftest import print_report
 from exl3local.kernels.selftest import rates
+from exl3local.plugin import version
 
 from arc_machines import environ
 
@@ -36,7 +37,7 @@ def test_json_report_names_device_versions_and_every_check(report):
     data = report
     assert data["device"]["type"] == "cpu"
     assert {"torch", "triton", "vllm", "exl3local"} <= set(data["versions"])
-    assert data["versions"]["vllm"] == "0.32.0"
+    assert version.supported(data["versions"]["vllm"])  # the engine interpreter's vLLM, by its metadata
     results = data["results"]
     assert results and data["ok"] is True
     for entry in results:
