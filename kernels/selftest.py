@@ -222,8 +222,12 @@ def report(device: torch.device, every_rate: bool = False, progress: Callable[[s
     todo, notes = plan(device, every_rate)
     for kernel, cb, bits in todo:
         out += run_kernel(kernel, bits, cb, device, progress)
+    # Whether a served layer here would use the bound direct launch: the version gate, then this run's checks.
+    failed = next((r for r in out if r.path == "bound_direct" and not r.ok), None)
+    direct = direct_launch_refusal(device) or (f"bound_direct failed: {failed.detail}" if failed else None)
     return {"device": device_info(device), "versions": versions(), "results": [r.to_json() for r in out],
-            "ok": all(r.ok for r in out), "seconds": round(time.perf_counter() - start, 1), "notes": notes}
+            "ok": all(r.ok for r in out), "seconds": round(time.perf_counter() - start, 1), "notes": notes,
+            "direct_launch": "used" if direct is None else f"off: {direct}"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,8 @@ def print_report(data: dict, console: Console) -> None:
     extra = ", ".join(f"{k} {v}" for k, v in dev.items() if k not in ("type", "name") and v is not None)
     console.print(f"device    {dev['type']}: {dev['name']}" + (f" ({extra})" if extra else ""), highlight=False)
     console.print("versions  " + ", ".join(f"{k} {v}" for k, v in ver.items()), highlight=False)
+    if "direct_launch" in data:
+        console.print(f"launches  bound direct launch {data['direct_launch']}", highlight=False)
     rows: dict[tuple, list[dict]] = defaultdict(list)
     for entry in data["results"]:
         rows[(entry["kernel"], entry["codebook"], entry["bits"])].append(entry)

@@ -46,6 +46,7 @@ def test_json_report_names_device_versions_and_every_check(report):
     reference = {(r["codebook"], r["bits"]) for r in results if r["path"] == "reference"}
     assert reference == {(cb, float(b)) for cb, b in rates()}  # every codebook and bit width
     assert any("TritonLinearKernel not checked" in note for note in data["notes"])
+    assert data["direct_launch"].startswith("off: the direct launch is untested")  # a CPU has none
 
 
 def test_table_says_what_passed_and_what_failed(report):
