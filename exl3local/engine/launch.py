@@ -233,6 +233,9 @@ def build(
     env.update({k: v for k, v in profile.env.items() if k not in env})  # so does the user's environment
     if key:
         env[VLLM_API_KEY_ENV] = key
+    # torch.compile's cache (e.g. the logprobs op the warm-up compiles) defaults to $TMPDIR, this engine's
+    # private temp dir, which goes with the engine: keep it in the user's cache so the next start finds it
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(paths.cache_dir() / "torchinductor"))
     env.update({
         CORS_ORIGINS_ENV: json.dumps(origins),
         "VLLM_NO_USAGE_STATS": "1",

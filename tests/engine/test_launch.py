@@ -127,3 +127,18 @@ def test_cors_origins_become_our_middleware_and_a_regex_with_port_wildcards(tiny
     assert all(re.fullmatch(regex, o) for o in allowed)
     assert not any(re.fullmatch(regex, o) for o in refused)
     assert not re.fullmatch(cors.origin_regex([]), "http://localhost")
+
+
+def test_torch_compiles_are_cached_beyond_the_engines_private_temp_dir(tiny_models, tmp_path, monkeypatch):
+    """Issue 24 item 3: the warm-up's compile landed in $TMPDIR/torchinductor_*, which goes with each engine,
+    so every start compiled again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    spec, _ = _spec(tiny_models, tmp_path)
+    cache = spec.env["TORCHINDUCTOR_CACHE_DIR"]
+    assert cache == str(tmp_path / "cache" / "exl3local" / "torchinductor")
+    assert not cache.startswith(spec.tmpdir)
+    model = tiny_models["tiny-llama-exl3-4.0bpw"]
+    bud = budget.Budget(kv_budget_bytes=1, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=512, pinned=True)
+    mine = launch.build(model, profiles.load("cpu"), bud, port=1, tmpdir=str(tmp_path / "t"),
+                        base_env={"TORCHINDUCTOR_CACHE_DIR": "/mine"})
+    assert mine.env["TORCHINDUCTOR_CACHE_DIR"] == "/mine"  # the user's own setting wins
