@@ -54,7 +54,7 @@ MODELS = {
 }
 ROWS = (1, 4, 16, 64, 512, 4096)
 GRAPH_MAX_ROWS = 64  # decode and verify steps are what graphs serve; prefill runs eager
-MGEMM_MAX_TOKENS = 16
+MGEMM_MAX_TOKENS = 64
 DEVICE = ["cuda"]
 
 
@@ -133,7 +133,7 @@ class Experts:
         """Exl3MoEMethod.apply's work: path by token count, fp32 ladder, back to x's dtype."""
         path = select_path(x.shape[0])
         assert path_refusal(path, x.shape[0]) is None
-        return self.ours.run(path, x.float(), weights, ids).to(x.dtype)
+        return self.ours.run(path, x, weights, ids)
 
 
 class Exl3Side:
@@ -269,27 +269,46 @@ def step_fns(cfg, layers, rows: int):
         for kind, obj, _ in ops:
             x_for(obj.k if kind == "linear" else obj.hidden)
 
+    ours_ops, theirs_ops, r = [], [], 0
+    for ops in layers:
+        for kind, obj, fn in ops:
+            if kind == "linear":
+                ours_ops.append(lambda obj=obj: obj.ours(xs[obj.k]))
+                theirs_ops.append(lambda obj=obj, fn=fn: fn(xs[obj.k]))
+            else:
+                ours_ops.append(lambda obj=obj, r=r: obj.run(xs[obj.hidden], *routing[r]))
+                theirs_ops.append(lambda obj=obj, fn=fn, r=r: fn(xs[obj.hidden], *routing[r]))
+                r += 1
+
     def ours():
-        r = 0
-        for ops in layers:
-            for kind, obj, _ in ops:
-                if kind == "linear":
-                    obj.ours(xs[obj.k])
-                else:
-                    obj.run(xs[obj.hidden], *routing[r])
-                    r += 1
+        for op in ours_ops:
+            op()
 
     def theirs():
-        r = 0
-        for ops in layers:
-            for kind, obj, fn in ops:
-                if kind == "linear":
-                    fn(xs[obj.k])
-                else:
-                    fn(xs[obj.hidden], *routing[r])
-                    r += 1
+        for op in theirs_ops:
+            op()
 
+    ours.ops, theirs.ops = ours_ops, theirs_ops  # host_us times them one by one
     return ours, theirs
+
+
+def agreement(cfg, layers, rows: int) -> dict:
+    """Relative difference ours vs exllamav3 per op kind on the first GDN and attention layers (same inputs)."""
+    gen = torch.Generator(device=DEVICE[0]).manual_seed(7)
+    out = {}
+    for ops in (layers[0], layers[cfg["interval"] - 1]):
+        for kind, obj, theirs in ops:
+            if kind == "linear":
+                x = torch.randn(rows, obj.k, generator=gen, device=DEVICE[0]).half()
+                a, b = obj.ours(x), torch.cat(theirs(x), -1)
+            else:
+                x = torch.randn(rows, obj.hidden, generator=gen, device=DEVICE[0]).half()
+                w, ids = torch.topk(torch.softmax(torch.randn(rows, obj.experts, generator=gen, device=DEVICE[0]), -1),
+                                    obj.top_k, dim=-1)
+                a, b = obj.run(x, w, ids), theirs(x, w, ids)
+            name = kind if kind == "moe" else f"{kind}{len(obj.parts)}x{obj.k}"
+            out[name] = round(((a.double() - b.double()).norm() / b.double().norm()).item(), 6)
+    return out
 
 
 def sync():
@@ -331,15 +350,18 @@ def graph_us(fn, reps: int = 20) -> float:
 
 
 def host_us(fn) -> float:
-    """CPU µs to issue one step while the GPU is kept busy (so no call waits on the device)."""
-    fn()
+    """CPU µs to issue one step while the GPU is kept busy, summed op by op: a whole step can hold more
+    launches than the launch queue, and a full queue would make the host wait on the device."""
+    fn.ops[0]()
     torch.cuda.synchronize()
-    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU work queued ahead
-    start = time.perf_counter()
-    fn()
-    elapsed = time.perf_counter() - start
+    total = 0.0
+    for op in fn.ops:
+        torch.cuda._sleep(4_000_000)  # ~2 ms of GPU work queued ahead of this op's launches
+        start = time.perf_counter()
+        op()
+        total += time.perf_counter() - start
     torch.cuda.synchronize()
-    return 1e6 * elapsed
+    return 1e6 * total
 
 
 def launches(fn) -> int:
@@ -405,12 +427,14 @@ def main() -> int:
     results = []
     rows_list = [int(r) for r in args.rows.split(",")]
     try:
-        for name in args.models.split(","):
+        built = {}
+        for name in args.models.split(","):  # every model first: the row loop then covers decode of both early
             t0 = time.time()
-            cfg, layers = build(name, args.bits, args.codebook, exl3)
+            built[name] = build(name, args.bits, args.codebook, exl3)
             sync()
-            log(f"\n== {name}: {cfg['layers']} layers built in {time.time() - t0:.1f} s ==")
-            for rows in rows_list:
+            log(f"== {name}: {built[name][0]['layers']} layers built in {time.time() - t0:.1f} s ==")
+        for rows in rows_list:
+            for name, (cfg, layers) in built.items():
                 if args.deadline and time.time() > args.deadline:
                     log(f"(skipping {name} M={rows}: past the deadline)")
                     continue
@@ -418,16 +442,20 @@ def main() -> int:
                 row = dict(model=name, rows=rows, bits=args.bits, codebook=args.codebook, exl3_mode=tag)
                 if not args.no_ours:
                     row["ours"] = measure(ours, rows, not args.no_graph)
-                if exl3 is not None and exl3.error is None:
+                if exl3 is not None and exl3.error is None and rows in (1, 4, 64):
                     try:
-                        row["exl3"] = measure(theirs, rows, not args.no_graph)
+                        row["rel_ours_vs_exl3"] = agreement(cfg, layers, rows)
+                    except Exception as exc:  # noqa: BLE001 -- report, keep going
+                        row["agreement_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                if exl3 is not None and exl3.error is None:
+                    # exllamav3's per-expert tier syncs with the host: no graph capture there
+                    graphs = not args.no_graph and ("experts" not in cfg or rows <= MGEMM_MAX_TOKENS)
+                    try:
+                        row["exl3"] = measure(theirs, rows, graphs)
                     except Exception as exc:  # noqa: BLE001 -- report, keep going
                         row["exl3_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 results.append(row)
                 log(json.dumps(row))
-            del layers
-            if DEVICE[0] == "cuda":
-                torch.cuda.empty_cache()
     finally:
         path = os.path.join(args.out, f"{args.tag}.json")
         with open(path, "w") as f:

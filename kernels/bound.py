@@ -140,12 +140,12 @@ class FusedLaunch:
                                                                                       FMA_VARYING, plain)
         # Keep the bound tensors referenced: the compiled argument lists hold only their addresses.
         self.input_fixed = dict(suh_ptr=suh, had_ptr=hadamard_operands(self.device)[NATURAL.value],
-                                size_k=self.size_k, HAS_IDS=experts, SCALE=HADAMARD_SCALE)
+                                size_k=self.size_k, HAS_IDS=experts, SCALE=HADAMARD_SCALE, PAIRS=False, GLU=False)
         self.fused_fixed = dict(w_ptr=words(trellis), svh_ptr=svh, bias_ptr=bias if bias is not None else svh,
                                 tiles_n=self.size_n // 16, k_steps=self.k_steps,
                                 expert_words=trellis[0].numel() // 2 if experts else 0,
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
-                                SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0)
+                                SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0, PAIRS=False)
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
@@ -189,30 +189,32 @@ class FusedLaunch:
 
     def _plan(self, key: tuple) -> tuple:
         """Grids, workspace needs and the fixed arguments of both launches for one call signature."""
-        rows, _, _, _, _, x_div, k_valid, n_out, _ = key
+        rows, _, _, _, _, x_div, k_valid, n_out, _, pairs, glu = key
         m_blocks = rows if self.experts else 1
         splits, per_split = self.split_for(m_blocks)
         block_m = rows_per_program(rows)
-        input_fixed = dict(self.input_fixed, x_div=x_div, k_valid=k_valid, BM=block_m)
-        if rows == 1 and self.fma is not None:
+        input_fixed = dict(self.input_fixed, x_div=x_div, k_valid=k_valid, BM=block_m, PAIRS=pairs, GLU=glu)
+        if rows == 1 and self.fma is not None and not pairs:
             blocks, splits, block_nt = self.fma_split()
             matmul = (self.fma, (blocks, splits, 1),
                       dict(self.fma_fixed, n_out=n_out, tk_per_split=self.size_k // 16 // splits, BM=1, BNT=block_nt))
         else:
             matmul = (self.fused, (self.n_blocks, splits, m_blocks),
-                      dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1))
+                      dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs))
         plan = ((-(-rows // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul)
         self.plans[key] = plan
         return plan
 
     def launch(self, x: torch.Tensor, y: torch.Tensor, rows: int, ids: torch.Tensor | None = None, x_div: int = 1,
-               k_valid: int | None = None, n_out: int | None = None) -> None:
+               k_valid: int | None = None, n_out: int | None = None, pairs: bool = False, glu: bool = False) -> None:
         """y[:rows, :n_out] = the projection of x's rows (MoE: of unit r = x[r // x_div] through expert ids[r]);
-        x has k_valid features (unit stride), y's columns have unit stride."""
+        x has k_valid features (unit stride), y's columns have unit stride. MoE only: `pairs`, unit r runs
+        expert row 2·ids[r // 2] + r % 2 (gate/up of a stacked w13); `glu`, unit r's input is silu(x[2r]) ⊙
+        x[2r + 1] (x_div 1)."""
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, x_div,
                self.size_k if k_valid is None else k_valid, self.size_n if n_out is None else n_out,
-               None if ids is None else (ids.dtype, ids.data_ptr() % 16 == 0))
+               None if ids is None else (ids.dtype, ids.data_ptr() % 16 == 0), pairs, glu)
         input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
         stream = self.stream()
         ws = Workspace._live.get((self.device, stream))
@@ -269,7 +271,7 @@ class GroupLaunch(FusedLaunch):
         return rows * self.count * self.size_k, splits * rows * self.size_n, self.n_blocks
 
     def _plan(self, key: tuple) -> tuple:
-        rows, _, _, _, _, _, k_valid, _, _ = key
+        rows, _, _, _, _, _, k_valid, _, _, _, _ = key
         splits, per_split = self.split_for(1)
         units = rows * self.count
         block_m = rows_per_program(units)
@@ -285,7 +287,7 @@ class GroupLaunch(FusedLaunch):
         """y[:rows, :Σ out] = every part of x's rows, side by side (k_valid features of x are given)."""
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, 1,
-               self.size_k if k_valid is None else k_valid, 0, None)
+               self.size_k if k_valid is None else k_valid, 0, None, False, False)
         input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
         stream = self.stream()
         ws = Workspace._live.get((self.device, stream))

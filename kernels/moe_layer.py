@@ -9,11 +9,11 @@ Arenas (per layer, every expert stacked; Hp, Ip: hidden and intermediate padded 
     w13_suh fp16 (E, 2, Hp)    w13_svh fp16 (E, 2, Ip)
     w2_trellis  int16 (E, Ip/16, Hp/16, 16*bits)   w2_suh fp16 (E, Ip)   w2_svh fp16 (E, Hp)
 
-Paths by token count (select_path): one token, a speculative verify step (≤ VERIFY_MAX_TOKENS) and the
-grouped path (≤ GROUPED_MAX_TOKENS) run as (token, expert) units in one Triton launch set per projection,
-routing ids read on the device (no host sync, graph-safe) wherever the dispatch chose Triton for every
-projection; above that, tokens are binned per expert (one host sync) and each expert's projections are
-reconstructed densely (the Triton decode where Triton serves, the PyTorch reference elsewhere).
+Paths by token count (select_path): one token, a speculative verify step (≤ VERIFY_MAX_TOKENS), the grouped
+path (≤ GROUPED_MAX_TOKENS) and the batched path. Wherever the dispatch chose Triton for every projection,
+every path runs as (token, expert) units in five launches (routing ids read on the device: no host sync,
+graph-safe). Otherwise the CPU kernel's units serve decode/verify, and the rest go per expert: tokens binned
+per expert (one host sync), each expert's projections through its kernel or, batched, reconstructed densely.
 """
 
 from __future__ import annotations
@@ -32,9 +32,14 @@ VERIFY_MAX_TOKENS = 4
 # two weight-side Hadamards. Provisional (bench/moe_paths.py was too noisy on the 2-core CPU; the GPU
 # kernels must re-measure it with bench/model_step.py).
 GROUPED_MAX_TOKENS = 128
+# Units per launch (gate and up count apart): the unit grid's third dimension, under CUDA's 65535.
+MAX_UNITS_PER_LAUNCH = 32768
 PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED, KernelPath.MOE_BATCHED)
-# Paths the grouped (token, expert) unit kernel (kernels/triton_moe.py) serves when Triton serves the layer.
-TRITON_MOE_PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED)
+# Paths the grouped (token, expert) unit kernel (kernels/triton_moe.py) serves when Triton serves the layer:
+# all of them. Above GROUPED_MAX_TOKENS each unit still decodes its expert's weights on its own (no tiles of
+# expert-sorted tokens yet); the per-expert dense loop it replaced took 14.0 s per 35B-A3B 512-token step on
+# the H200 (docs/PERF.md "Model step").
+TRITON_MOE_PATHS = PATHS
 
 
 def select_path(tokens: int) -> KernelPath:
@@ -89,7 +94,7 @@ class ExpertLayer:
         self.kernels = {name: prepare(KernelSpec(p.size_k, p.size_n, p.bits, p.codebook, torch.float32), device, backend)
                         for name, p in proj.items()}
         self.refusal = triton_moe_refusal(self.kernels, proj)
-        self.bound = None
+        self.bound = self.combine = None
         if self.refusal is None:
             self._bind()
         self.cpu = None  # kernels/cpu's unit path, where the dispatch chose the CPU kernel for every projection
@@ -112,6 +117,9 @@ class ExpertLayer:
                       bind_moe(self.w2_trellis, self.w2_suh, self.w2_svh, down.bits, down.codebook))
         for bound in self.bound:
             bound.reserve(VERIFY_MAX_TOKENS * 2 * self.top_k)
+        from exl3local.kernels.triton_moe import bind_combine
+
+        self.combine = bind_combine(self.bound[0], self.top_k)
 
     # -- views into the arenas
     def trellis(self, name: str, e: int) -> torch.Tensor:
@@ -161,29 +169,45 @@ class ExpertLayer:
         h = F.silu(self.project("gate", e, x)) * self.project("up", e, x)
         return self.project("down", e, h)
 
-    def grouped_units(self, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every (token, expert) unit at once through triton_moe.moe_decode, ids read on the device (no host
-        sync), launches bound at load time. Returns (T, padded hidden) fp32, weights applied to down's outputs."""
-        from exl3local.kernels.triton_moe import moe_decode
+    def grouped_units(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every (token, expert) unit at once, ids read on the device (no host sync), launches bound at load:
+        five launches in all. gate+up: one input transform and one matmul over the w13 stack (unit pairs, expert
+        row 2·id + part, x unpadded in any float dtype); down: its input transform computes silu(gate) ⊙ up
+        from those outputs (fp32); one combine kernel weights each token's units and sums them in j order.
+        Returns (T, hidden) in x's dtype."""
+        from exl3local.kernels.triton_moe import combine_units
 
-        gate, down = self.proj["gate"], self.proj["down"]
         bound13, bound2 = self.bound
         tokens, top_k = ids.shape
-        local = ids >= 0  # -1: another rank's expert, contributes nothing
-        ids = torch.where(local, ids, 0)
-        ids13 = torch.stack((2 * ids, 2 * ids + 1), -1).view(tokens, 2 * top_k)
-        gu = moe_decode(xf, *self.w13_units, gate.bits, gate.codebook, ids13, bound=bound13)
-        gu = gu.view(tokens, top_k, 2, gate.size_n)
-        h = (F.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(tokens * top_k, gate.size_n)
-        y = moe_decode(h, self.w2_trellis, self.w2_suh, self.w2_svh, down.bits, down.codebook, ids, bound=bound2)
-        y = y.float() * torch.where(local, weights, 0.0)[..., None]
-        return y.sum(1)
+        chunk = MAX_UNITS_PER_LAUNCH // (2 * top_k)
+        if tokens > chunk:  # one unit per program row of the grid: keep the grid inside the device's limits
+            return torch.cat([self.grouped_units(x[t:t + chunk], weights[t:t + chunk], ids[t:t + chunk])
+                              for t in range(0, tokens, chunk)])
+        units = tokens * top_k
+        ids, weights = ids.contiguous(), weights.contiguous()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        gu = torch.empty(2 * units, self.proj["gate"].size_n, dtype=torch.float32, device=x.device)
+        bound13.launch(x, gu, 2 * units, ids, x_div=2 * top_k, k_valid=x.shape[1], pairs=True)
+        y = torch.empty(units, self.proj["down"].size_n, dtype=torch.float32, device=x.device)
+        bound2.launch(gu, y, units, ids, glu=True)
+        return combine_units(y, weights, ids, x.shape[1], x.dtype, self.combine)
 
-    def run(self, path: KernelPath, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed sum (T, padded hidden) fp32 for padded fp32 input rows xf, fp32 routing weights and local
-        expert ids (-1: another rank's) through `path` (already checked with path_refusal)."""
+    def run(self, path: KernelPath, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed sum (T, hidden) in x's dtype for input rows x (T, hidden), fp32 routing weights and local
+        expert ids (-1: another rank's) through `path` (already checked with path_refusal). Where Triton serves
+        the layer every path runs as units (one launch set, no host sync); the per-expert paths below are the
+        other backends'."""
         if path in TRITON_MOE_PATHS and self.refusal is None:
-            return self.grouped_units(xf, weights, ids)
+            return self.grouped_units(x, weights, ids)
+        hidden = x.shape[-1]
+        pad = self.proj["gate"].size_k - hidden
+        xf = F.pad(x.float(), (0, pad)) if pad else x.float()
+        ids = ids.long()
+        return self._per_expert(path, xf, weights, ids)[:, :hidden].to(x.dtype)
+
+    def _per_expert(self, path: KernelPath, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """(T, padded hidden) fp32 from padded fp32 rows: the CPU units, or one expert at a time."""
         if path in (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY) and self.cpu is not None:
             return self.cpu.units(xf, weights, ids)
         out = torch.zeros(xf.shape[0], self.proj["down"].size_n, dtype=torch.float32, device=xf.device)

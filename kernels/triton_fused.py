@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from exl3local.kernels.triton_decode import ring_cols, ring_dot
+from exl3local.kernels.triton_hadamard import unit_expert
 
 FUSED_BLOCK_N_TILES = 8  # 128 output columns per program: one Hadamard block, so the epilogue is local
 # Ints that change from call to call: never specialised on (a compiled kernel serves every row count).
@@ -80,7 +81,8 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                       M, tiles_n, stride_ym, n_out, k_steps, steps_per_split, expert_words, stride_zs,
                       KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
                       CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                      SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0):
+                      SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0,
+                      PAIRS: tl.constexpr = False):
     """y = H(u·Ŵ)⊙svh (+ bias) for BM rows of u (MoE: one unit in row 0) × 128 columns, one K split.
     u is (M, k) fp16, contiguous; y keeps the first n_out columns, rows stride_ym apart (a part of a fused
     layer writes its slice of the layer's output in place).
@@ -127,7 +129,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                          tl.load(row + 3), HAS_BIAS, SCALE, True)
         return
     if HAS_IDS:  # one (token, expert) unit per program: its expert's trellis, svh, bias
-        e = tl.load(ids_ptr + pid_m).to(tl.int64)
+        e = unit_expert(ids_ptr, pid_m, True, PAIRS)
         w_base = w_ptr + e * expert_words
         svh_base = svh_ptr + e * size_n
         bias_base = bias_ptr + e * size_n

@@ -84,18 +84,37 @@ def had128(v, BM: tl.constexpr):
     return tl.reshape(o, (BM, 128))
 
 
+@triton.jit
+def unit_expert(ids_ptr, unit, mask, PAIRS: tl.constexpr):
+    """The expert row of a MoE unit: ids[unit] (a negative id, another rank's expert, reads as 0: its output is
+    weighted 0 by the caller); with PAIRS, units come in (gate, up) pairs of the stacked w13 arena, so unit u
+    is row 2·ids[u // 2] + u % 2."""
+    if PAIRS:
+        e = tl.maximum(tl.load(ids_ptr + unit // 2, mask=mask, other=0).to(tl.int64), 0)
+        return 2 * e + unit % 2
+    return tl.maximum(tl.load(ids_ptr + unit, mask=mask, other=0).to(tl.int64), 0)
+
+
 @triton.jit(do_not_specialize=["M", "stride_xm"])  # one compiled kernel for every row count (kernels/bound.py)
 def _input_kernel(x_ptr, suh_ptr, ids_ptr, had_ptr, u_ptr, M, size_k, stride_xm, x_div, k_valid,
-                  HAS_IDS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr):
-    """x has k_valid <= size_k features per row; the rest reads as the zero padding of spec §1.4."""
+                  HAS_IDS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, PAIRS: tl.constexpr = False,
+                  GLU: tl.constexpr = False):
+    """x has k_valid <= size_k features per row; the rest reads as the zero padding of spec §1.4.
+    GLU: x row r is silu(x[2r]) ⊙ x[2r + 1] (an MoE unit's gate and up outputs, fp32), the down projection's
+    input computed here instead of in a separate launch."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rk = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = (rm < M)[:, None]
     xrow = (rm // x_div).to(tl.int64)
-    x = tl.load(x_ptr + xrow[:, None] * stride_xm + rk[None, :], mask=mask & (rk < k_valid)[None, :],
-                other=0.0).to(tl.float32)
+    xmask = mask & (rk < k_valid)[None, :]
+    if GLU:
+        g = tl.load(x_ptr + (2 * xrow)[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + (2 * xrow + 1)[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0).to(tl.float32)
+        x = g / (1.0 + tl.exp(-g)) * up
+    else:
+        x = tl.load(x_ptr + xrow[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0).to(tl.float32)
     if HAS_IDS:
-        e = tl.load(ids_ptr + rm, mask=rm < M, other=0).to(tl.int64)
+        e = unit_expert(ids_ptr, rm, rm < M, PAIRS)
         s = tl.load(suh_ptr + e[:, None] * size_k + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
         s = tl.load(suh_ptr + rk).to(tl.float32)[None, :]

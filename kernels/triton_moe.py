@@ -17,8 +17,12 @@ skip Triton's argument binding; `moe_decode` binds per call.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from exl3local.kernels.bound import FusedLaunch, bind_moe
+from exl3local.kernels.bound import DirectLaunch, FusedLaunch, bind_moe
+
+COMBINE_BLOCK = 512  # output columns per combine program
 
 
 def moe_decode(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float,
@@ -41,3 +45,50 @@ def moe_decode(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: t
     y = torch.empty(units, bound.size_n, dtype=x.dtype, device=x.device)
     bound.launch(x, y, units, ids.reshape(-1), x_div)
     return y.view(tokens, top_k, -1)
+
+
+@triton.jit(do_not_specialize=["n_out"])
+def _combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, size_n, n_out, TOP_K: tl.constexpr, BN: tl.constexpr):
+    """out[t, :n_out] = Σ_j w[t, j]·y[t·TOP_K + j] in j order, fp32, units of a negative id (another rank's
+    expert) weighted 0."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = cols < n_out
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        unit = t * TOP_K + j
+        w = tl.load(w_ptr + unit).to(tl.float32)
+        w = tl.where(tl.load(ids_ptr + unit) >= 0, w, 0.0)
+        acc += w * tl.load(y_ptr + unit.to(tl.int64) * size_n + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * n_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+COMBINE_VARYING = ("y_ptr", "w_ptr", "ids_ptr", "out_ptr", "n_out")
+
+
+def bind_combine(like: FusedLaunch, top_k: int) -> DirectLaunch:
+    """The combine launch, bound like `like`'s launches (direct launcher or Triton's own path)."""
+    return DirectLaunch(_combine_kernel, COMBINE_VARYING, like.fused.hooks is None)
+
+
+def combine_units(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_out: int, dtype: torch.dtype,
+                  launch: DirectLaunch | None = None) -> torch.Tensor:
+    """(T, n_out) in dtype: each token's unit outputs y (T·top_k, n) fp32 weighted by weights (T, top_k) and
+    summed over j; ids (T, top_k) mark remote units (< 0). weights and ids contiguous."""
+    tokens, top_k = ids.shape
+    out = torch.empty(tokens, n_out, dtype=dtype, device=y.device)
+    if tokens == 0:
+        return out
+    launch = launch or DirectLaunch(_combine_kernel, COMBINE_VARYING, True)
+    grid = (tokens, triton.cdiv(n_out, COMBINE_BLOCK), 1)
+    key = (y.dtype, weights.dtype, ids.dtype, dtype, y.shape[1])  # the grid and n_out vary freely
+    launch(grid, _stream(y.device), key, dict(size_n=y.shape[1], TOP_K=top_k, BN=COMBINE_BLOCK), (y, weights, ids, out, n_out),
+           (y.data_ptr(), weights.data_ptr(), ids.data_ptr(), out.data_ptr(), n_out))
+    return out
+
+
+def _stream(device: torch.device) -> int:
+    if device.type == "cpu":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.get_current_stream(index)

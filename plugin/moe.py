@@ -36,11 +36,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
-from exl3local import kernels
 from exl3local.errors import CheckpointError, ConfigError
 from exl3local.kernels import KernelPath, reference
 from exl3local.kernels.moe_layer import (  # noqa: F401 -- the ladder's names, re-exported for the plugin's users
@@ -286,12 +284,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         why = path_refusal(path, x.shape[0])
         if why is not None:
             raise ValueError(f"{self.prefix}: {why}")
-        ids = topk_ids.long()
+        ids = topk_ids
         expert_map = getattr(layer, "expert_map", None)
         if expert_map is not None:
-            ids = expert_map[ids].long()  # global -> local; -1 for another rank's expert
-        hidden = x.shape[-1]
-        pad = layer.exl3_proj["gate"].size_k - hidden
-        xf = F.pad(x.float(), (0, pad)) if pad else x.float()
-        out = layer.exl3_experts.run(path, xf, topk_weights.float(), ids)
-        return out[:, :hidden].to(x.dtype)
+            ids = expert_map[ids.long()]  # global -> local; -1 for another rank's expert
+        return layer.exl3_experts.run(path, x, topk_weights.float(), ids)

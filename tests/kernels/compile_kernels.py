@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from exl3local.kernels import triton_decode, triton_fused, triton_gemm, triton_gemv, triton_hadamard
+from exl3local.kernels import triton_decode, triton_fused, triton_gemm, triton_gemv, triton_hadamard, triton_moe
 from exl3local.kernels.hadamard import HADAMARD_SCALE
 
 # What an Xe2 GPU (Arc B-series, Arc 140V) reports to Intel's backend: 16-wide sub-groups, DPAS, 2D block IO
@@ -85,6 +85,14 @@ def main() -> None:
                      "M": "i32", "size_n": "i32", "splits": "i32", "stride_zs": "i32"},
                     dict(HAS_IDS=has_ids, HAS_BIAS=True, SCALE=HADAMARD_SCALE,
                          BM=triton_hadamard.OUTPUT_ROWS_PER_PROGRAM))
+    # the MoE units' variants: gate/up pairs from ids, and the down projection's silu(gate)·up input; the combine
+    compile_one(triton_hadamard._input_kernel,
+                {"x_ptr": "*fp32", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
+                 "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32", "k_valid": "i32"},
+                dict(HAS_IDS=True, SCALE=HADAMARD_SCALE, BM=64, PAIRS=True, GLU=True))
+    compile_one(triton_moe._combine_kernel, {"y_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
+                                             "size_n": "i32", "n_out": "i32"},
+                dict(TOP_K=8, BN=triton_moe.COMBINE_BLOCK))
     # one rate per super-lane width G (1, 2, 4, 8) and every codebook
     for codebook, bits in (("mul1", 4), ("3inst", 2), ("mcg", 3), ("mul1", 2.5)):
         rate = triton_decode.rate_constants(bits, codebook)
@@ -95,7 +103,7 @@ def main() -> None:
         for has_ids, split, parts in ((False, True, 0), (True, True, 0), (False, False, 0), (False, True, 3)):
             compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
                         dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt,
-                             PARTS=parts), num_warps=warps, num_stages=1)
+                             PARTS=parts, PAIRS=has_ids), num_warps=warps, num_stages=1)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,
                     dict(rate, BM=block_m, BNT=block_nt, EPILOGUE=True, HAS_BIAS=True, SCALE=HADAMARD_SCALE))

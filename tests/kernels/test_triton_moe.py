@@ -61,3 +61,55 @@ def test_row_count_must_match_tokens_or_units(make_layer, kernel_device):
     ids = torch.zeros(2, 2, dtype=torch.int64, device=kernel_device)
     with pytest.raises(ValueError, match="rows"):
         moe_decode(torch.randn(3, 128, device=kernel_device), trellis, suh, svh, 2, "mcg", ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_layer_units_fuse_the_glue_and_match_the_reference(relative_error, kernel_device, dtype):
+    """ExpertLayer's five-launch units path: gate/up pairs from ids (no stacked id tensor), silu(gate)·up inside
+    the down projection's input transform, the weighted sum in one combine kernel; x unpadded (100 of 128
+    features), a remote expert (-1) contributes nothing, several chunks when the grid would be too tall."""
+    from exl3local.kernels import moe_layer
+    from exl3local.kernels.moe_layer import ExpertLayer
+
+    class Proj:
+        def __init__(self, k, n):
+            self.bits, self.codebook, self.size_k, self.size_n = 4, "mul1", k, n
+            self.trellis_shape = (k // 16, n // 16, reference.words_per_tile(4))
+            self.words = (k // 16) * (n // 16) * reference.words_per_tile(4)
+
+    E, hidden, k, inter, tokens, top_k = 3, 100, 128, 128, 3, 2
+    gate, down = Proj(k, inter), Proj(inter, k)
+    g = torch.Generator().manual_seed(31)
+    w13 = torch.randint(-32768, 32768, (E, 2 * gate.words), generator=g, dtype=torch.int16)
+    # Scales of one: with 0.05 the down projection's input falls into fp16's subnormal range, where u's
+    # rounding, not the kernels, sets the error.
+    w13_suh, w13_svh = torch.randn(E, 2, k, generator=g).half(), torch.randn(E, 2, inter, generator=g).half()
+    w2 = torch.randint(-32768, 32768, (E, *down.trellis_shape), generator=g, dtype=torch.int16)
+    w2_suh, w2_svh = torch.randn(E, inter, generator=g).half(), torch.randn(E, k, generator=g).half()
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    ids = torch.tensor([[2, 0], [1, -1], [0, 2]], dtype=torch.int32)
+    tensors = [t.to(kernel_device) for t in (w13, w13_suh, w13_svh, w2, w2_suh, w2_svh)]
+    layer = ExpertLayer(*tensors, {"gate": gate, "up": gate, "down": down}, top_k, backend="triton")
+    assert layer.refusal is None
+
+    def ref_expert(e, row):
+        xp = torch.nn.functional.pad(row.double(), (0, k - hidden))[None]
+        w = w13[e].view(2, *gate.trellis_shape)
+        gt = reference.linear(xp, w[0], w13_suh[e, 0], w13_svh[e, 0], 4, "mul1")
+        up = reference.linear(xp, w[1], w13_suh[e, 1], w13_svh[e, 1], 4, "mul1")
+        return reference.linear(torch.nn.functional.silu(gt) * up, w2[e], w2_suh[e], w2_svh[e], 4, "mul1")[0]
+
+    expected = torch.stack([sum(weights[t, j].double() * ref_expert(int(ids[t, j]), x[t]) for j in range(top_k)
+                                if ids[t, j] >= 0) for t in range(tokens)])[:, :hidden]
+    out = layer.run(moe_layer.select_path(tokens), x.to(kernel_device), weights.to(kernel_device), ids.to(kernel_device))
+    assert out.dtype == dtype and out.shape == (tokens, hidden)
+    assert relative_error(out.cpu(), expected) < (1e-3 if dtype == torch.float32 else 1e-2)  # u is fp16
+    old = moe_layer.MAX_UNITS_PER_LAUNCH
+    moe_layer.MAX_UNITS_PER_LAUNCH = 2 * top_k  # one token per chunk
+    try:
+        chunked = layer.run(moe_layer.select_path(tokens), x.to(kernel_device), weights.to(kernel_device),
+                            ids.to(kernel_device))
+    finally:
+        moe_layer.MAX_UNITS_PER_LAUNCH = old
+    assert relative_error(chunked, out) < 1e-5  # fewer units per launch: another split-K, fp32 order only
