@@ -315,7 +315,7 @@ def choose_kernel(
                 # used; the next candidate serves (kernels/selftest.py, once per kernel, rate and device).
                 from exl3local.kernels import selftest
 
-                why = selftest.refusal(kernel, spec.bits, spec.codebook, verify)
+                why = selftest.refusal(kernel, spec.bits, spec.codebook, verify, spec.act_dtype)
         if why is None:
             return kernel
         reasons.append(f"{kernel.__name__}: {why}")

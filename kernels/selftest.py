@@ -35,7 +35,7 @@ __all__ = ["TOLERANCE", "Result", "rates", "run_kernel", "refusal", "refused_pat
 # ---- the load-time verdicts the dispatch asks for --------------------------------------------------------
 
 _LOCK = threading.RLock()
-_VERDICTS: dict[tuple[str, float, str, str], str | None] = {}
+_VERDICTS: dict[tuple[str, float, str, str, str], str | None] = {}  # (kernel, bits, codebook, device, dtype)
 _RESULTS: list[Result] = []
 _publish: Callable[[list[Result], dict[str, str]], None] | None = None
 
@@ -69,13 +69,13 @@ def refused_paths() -> dict[str, str]:
     refused kernel, and `bound_direct` when only the direct launch failed (the trace's `latched_off` flag)."""
     out: dict[str, list[str]] = {}
     with _LOCK:
-        for (kernel, bits, codebook, _), verdict in _VERDICTS.items():
+        for (kernel, bits, codebook, _, act), verdict in _VERDICTS.items():
             if verdict is None:
                 continue
             paths = SERVED_PATHS.get(kernel) or [r.path for r in _RESULTS if r.kernel == kernel and r.bits == bits
                                                  and r.codebook == codebook]
             for path in dict.fromkeys(paths):
-                out.setdefault(path, []).append(f"{kernel} at {bits:g}-bit {codebook}: {verdict}")
+                out.setdefault(path, []).append(f"{kernel} at {bits:g}-bit {codebook} ({act}): {verdict}")
         for r in _RESULTS:
             if r.path == "bound_direct" and not r.ok:
                 out.setdefault("bound_direct", []).append(
@@ -89,27 +89,30 @@ def results() -> list[Result]:
         return list(_RESULTS)
 
 
-def refusal(kernel: type, bits: float, codebook: str, device: torch.device) -> str | None:
-    """Why `kernel` (a dispatch.Exl3Kernel class) must not serve (bits, codebook) on `device`: its first failed
-    check, or None when every check passed (or none is wanted). Runs the checks once per key and process."""
+def refusal(kernel: type, bits: float, codebook: str, device: torch.device,
+            dtype: torch.dtype = torch.float16) -> str | None:
+    """Why `kernel` (a dispatch.Exl3Kernel class) must not serve (bits, codebook) with `dtype` activations on
+    `device`: its first failed check, or None when every check passed (or none is wanted). Runs the checks once
+    per key and process (each activation dtype compiles its own kernel variants)."""
     if not wanted(kernel, device):
         return None
-    key = (kernel.__name__, float(bits), codebook, str(device))
+    act = str(dtype).removeprefix("torch.")
+    key = (kernel.__name__, float(bits), codebook, str(device), act)
     with _LOCK:
         if key in _VERDICTS:
             return _VERDICTS[key]
         # On stderr, so the engine log (and `up`, which shows its latest line) says what the first load compiles.
-        print(f"exl3local: self-testing {kernel.__name__} at {bits:g}-bit {codebook} on {device} "
+        print(f"exl3local: self-testing {kernel.__name__} at {bits:g}-bit {codebook} on {device}, {act} "
               "(kernels compile on first use)", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        got = run_kernel(kernel, bits, codebook, device)
+        got = run_kernel(kernel, bits, codebook, device, dtype=dtype)
         # a failed bound_direct only switches the direct launch off (direct_launch_refusal): Triton's own launch
         # of the same kernels passed, so the kernel stays
         failed = [r for r in got if not r.ok and r.path != "bound_direct"]
         verdict = None if not failed else f"self-test {failed[0].path} failed: {failed[0].detail}"
         print(f"exl3local: self-test {kernel.__name__} {bits:g}-bit {codebook}: "
               f"{'ok' if verdict is None else verdict + '; using the next kernel'} "
-              f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+              f"({act}, {time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
         _VERDICTS[key] = verdict
         _RESULTS.extend(got)
         publish = _publish
@@ -215,13 +218,14 @@ def plan(device: torch.device, every_rate: bool = False) -> tuple[list[tuple[typ
     return todo, notes
 
 
-def report(device: torch.device, every_rate: bool = False, progress: Callable[[str], None] | None = None) -> dict:
+def report(device: torch.device, every_rate: bool = False, progress: Callable[[str], None] | None = None,
+           dtype: torch.dtype = torch.float16) -> dict:
     """The whole self-test as one JSON-able object: device, versions, results (one entry per check)."""
     out: list[Result] = []
     start = time.perf_counter()
     todo, notes = plan(device, every_rate)
     for kernel, cb, bits in todo:
-        out += run_kernel(kernel, bits, cb, device, progress)
+        out += run_kernel(kernel, bits, cb, device, progress, dtype)
     # Whether a served layer here would use the bound direct launch: the version gate, then this run's checks.
     failed = next((r for r in out if r.path == "bound_direct" and not r.ok), None)
     direct = direct_launch_refusal(device) or (f"bound_direct failed: {failed.detail}" if failed else None)
@@ -236,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", help="torch device (default: the first CUDA/XPU device, else cpu)")
     parser.add_argument("--all", action="store_true", help="every rate under the CPU interpreter too (slow)")
     parser.add_argument("--progress", action="store_true", help="one line per check on stderr")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
+                        help="activations of the linear checks (MoE checks always feed float32)")
     args = parser.parse_args(argv)
     device = torch.device(args.device) if args.device else default_device()
     if device.type == "cpu" and "TRITON_INTERPRET" not in os.environ:
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(what: str) -> None:
         print(f"selftest: {what}", file=sys.stderr, flush=True)
 
-    data = report(device, args.all, progress if args.progress else None)
+    data = report(device, args.all, progress if args.progress else None, getattr(torch, args.dtype))
     print(json.dumps(data))
     return 0 if data["ok"] else 1
 

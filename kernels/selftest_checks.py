@@ -58,6 +58,7 @@ class Result:
     error: float | None  # relative norm error against the reference (0.0 for bit-exact checks that matched)
     us: float | None  # wall time of one call (on a compiled device: warm, averaged; interpreter: one call)
     detail: str = ""
+    dtype: str = "float16"  # the activations' dtype the check fed (the MoE check: float32 whatever this says)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -178,9 +179,9 @@ def _force_splits(launch, m_blocks: int) -> int:
     return splits
 
 
-def _check_gemv(bits, codebook, device, shape, rows: int, split: bool):
+def _check_gemv(bits, codebook, device, shape, rows: int, split: bool, dtype: torch.dtype = torch.float16):
     trellis, suh, svh = _layer(*shape, bits, codebook, device, seed=2)
-    x = torch.randn(rows, shape[0], generator=torch.Generator().manual_seed(3)).half().to(device)
+    x = torch.randn(rows, shape[0], generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
     launch = _split_launch(trellis, suh, svh, bits, codebook)
     if not split:
         launch.splits[1] = (1, launch.k_steps)
@@ -198,12 +199,12 @@ def _check_gemv(bits, codebook, device, shape, rows: int, split: bool):
     return ok, err, us, why
 
 
-def _check_reconstruct(bits, codebook, device, shape):
+def _check_reconstruct(bits, codebook, device, shape, dtype: torch.dtype = torch.float16):
     from exl3local.kernels.dispatch import GEMV_MAX_ROWS
     from exl3local.kernels.triton_gemm import reconstruct_gemm
 
     trellis, suh, svh = _layer(*shape, bits, codebook, device, seed=4)
-    x = torch.randn(GEMV_MAX_ROWS + 1, shape[0], generator=torch.Generator().manual_seed(5)).half().to(device)
+    x = torch.randn(GEMV_MAX_ROWS + 1, shape[0], generator=torch.Generator().manual_seed(5)).to(dtype).to(device)
     y, us = _timed(lambda: reconstruct_gemm(x, trellis, suh, svh, bits, codebook), device)
     ok, err, why = _compare(y, reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), bits, codebook))
     return ok, err, us, why
@@ -230,12 +231,12 @@ def _check_moe(bits, codebook, device, shape):
     return ok, err, us, why
 
 
-def _check_direct(bits, codebook, device, shape):
+def _check_direct(bits, codebook, device, shape, dtype: torch.dtype = torch.float16):
     """Bound launches: the first call per signature goes through Triton's launch, the next ones hand the compiled
     kernel its arguments directly (Triton's private CompiledKernel.run ABI). Both must write the same bits. Run
     with the direct path forced on, so an untested Triton reports whether it would work."""
     trellis, suh, svh = _layer(*shape, bits, codebook, device, seed=8)
-    x = torch.randn(GEMV_ROWS, shape[0], generator=torch.Generator().manual_seed(9)).half().to(device)
+    x = torch.randn(GEMV_ROWS, shape[0], generator=torch.Generator().manual_seed(9)).to(dtype).to(device)
     launch = _split_launch(trellis, suh, svh, bits, codebook)
     runtime = getattr(getattr(sys.modules.get("triton"), "knobs", None), "runtime", None)
     if runtime is None:
@@ -253,18 +254,19 @@ def _check_direct(bits, codebook, device, shape):
     return same, 0.0 if same else _rel_err(second, first), us, "" if same else "direct launch differs from Triton's"
 
 
-def triton_checks(device: torch.device) -> dict[str, Callable]:
-    """name -> check(bits, codebook, device, shape), in the order they run."""
+def triton_checks(device: torch.device, dtype: torch.dtype = torch.float16) -> dict[str, Callable]:
+    """name -> check(bits, codebook, device, shape), in the order they run; `dtype`: the layer's activations
+    (the MoE check always feeds fp32, as the MoE ladder does)."""
     checks: dict[str, Callable] = {
         "decode": _check_decode,
-        "gemv": lambda b, c, d, s: _check_gemv(b, c, d, s, GEMV_ROWS, split=False),
-        "gemv_split_k": lambda b, c, d, s: _check_gemv(b, c, d, s, GEMV_ROWS, split=True),
-        "gemv_one_row": lambda b, c, d, s: _check_gemv(b, c, d, s, 1, split=True),
-        "reconstruct_gemm": _check_reconstruct,
+        "gemv": lambda b, c, d, s: _check_gemv(b, c, d, s, GEMV_ROWS, split=False, dtype=dtype),
+        "gemv_split_k": lambda b, c, d, s: _check_gemv(b, c, d, s, GEMV_ROWS, split=True, dtype=dtype),
+        "gemv_one_row": lambda b, c, d, s: _check_gemv(b, c, d, s, 1, split=True, dtype=dtype),
+        "reconstruct_gemm": lambda b, c, d, s: _check_reconstruct(b, c, d, s, dtype),
         "moe_decode": _check_moe,
     }
     if not _interpreted(device):
-        checks["bound_direct"] = _check_direct
+        checks["bound_direct"] = lambda b, c, d, s: _check_direct(b, c, d, s, dtype)
     return checks
 
 
@@ -298,35 +300,38 @@ def _check_apply(kernel, rows: int, dtype: torch.dtype):
     return check
 
 
-def checks_for(kernel: type, device: torch.device, bits: float = 4, codebook: str = "mul1") -> dict[str, Callable]:
+def checks_for(kernel: type, device: torch.device, bits: float = 4, codebook: str = "mul1",
+               dtype: torch.dtype = torch.float16) -> dict[str, Callable]:
     """name -> check(bits, codebook, device, shape) for a kernel class (dispatch.Exl3Kernel), in run order:
     the reference checks itself on the device; Triton gets its per-launch checks; any other kernel (the CPU
     library) is checked through `apply` on both sides of its row crossover."""
     if kernel.backend == "reference":
         return {"reference": _check_reference}
     if kernel.backend == "triton":
-        return triton_checks(device)
+        return triton_checks(device, dtype)
     if kernel.backend == "triton_dense":  # Triton's decode and reconstruct kernels only
-        return {name: check for name, check in triton_checks(device).items() if name in ("decode", "reconstruct_gemm")}
+        checks = triton_checks(device, dtype)
+        return {name: checks[name] for name in ("decode", "reconstruct_gemm")}
     from exl3local.kernels.dispatch import DeviceInfo, KernelSpec
 
     instance = kernel(KernelSpec(*SIZES[kind(device)][0], bits, codebook), DeviceInfo.of(device))
     few = instance.path_for(1)
-    checks = {str(few): _check_apply(kernel, 1, torch.float16)}
+    checks = {str(few): _check_apply(kernel, 1, dtype)}
     for rows in (4, 8, 16, 32, 64):
         many = instance.path_for(rows)
         if many != few:
-            checks[str(many)] = _check_apply(kernel, rows, torch.float32)
+            checks[str(many)] = _check_apply(kernel, rows, dtype)
             break
     return checks
 
 
 def run_kernel(kernel: type, bits: float, codebook: str, device: torch.device,
-               progress: Callable[[str], None] | None = None) -> list[Result]:
-    """Every check of `kernel` (a dispatch.Exl3Kernel class) at one rate on `device`."""
+               progress: Callable[[str], None] | None = None, dtype: torch.dtype = torch.float16) -> list[Result]:
+    """Every check of `kernel` (a dispatch.Exl3Kernel class) at one rate on `device`, activations in `dtype`."""
     shape = SIZES[kind(device)][0]
+    act = str(dtype).removeprefix("torch.")
     out = []
-    for name, check in checks_for(kernel, device, bits, codebook).items():
+    for name, check in checks_for(kernel, device, bits, codebook, dtype).items():
         if progress is not None:
             progress(f"{kernel.__name__} {name} {bits:g}-bit {codebook}")
         try:
@@ -335,10 +340,10 @@ def run_kernel(kernel: type, bits: float, codebook: str, device: torch.device,
             last = traceback.extract_tb(exc.__traceback__)[-1]
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             detail = f"{type(exc).__name__}: {text} ({last.filename.rsplit('/', 1)[-1]}:{last.lineno})"
-            out.append(Result(name, kernel.__name__, codebook, bits, False, None, None, detail))
+            out.append(Result(name, kernel.__name__, codebook, bits, False, None, None, detail, act))
             continue
         if got is None:
             continue  # not applicable here (said in the check)
         ok, err, us, detail = got
-        out.append(Result(name, kernel.__name__, codebook, bits, bool(ok), err, us, detail))
+        out.append(Result(name, kernel.__name__, codebook, bits, bool(ok), err, us, detail, act))
     return out

@@ -72,10 +72,10 @@ def plugin_check(python: str) -> list[tuple[bool | None, str, str]]:
     return rows
 
 
-def run_report(python: str, every_rate: bool, device: str | None, on_line=None) -> dict:
+def run_report(python: str, every_rate: bool, device: str | None, on_line=None, dtype: str = "float16") -> dict:
     """The self-test report from `python` (a dict, see kernels/selftest.report); on_line(text) per check."""
     argv = [python, "-P", "-m", SELFTEST_MODULE, "--progress"] + (["--all"] if every_rate else [])
-    argv += ["--device", device] if device else []
+    argv += (["--device", device] if device else []) + ["--dtype", dtype]
     # The report (tens of KiB on a GPU) goes to a file: a pipe could fill while stderr is being read.
     with tempfile.TemporaryFile("w+") as report:
         try:
@@ -138,11 +138,12 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
     python = env.ENGINE_PYTHON.get() or sys.executable
     console = Console(stderr=True)
     if args.json:
-        data = run_report(python, args.all, args.device)
+        data = run_report(python, args.all, args.device, dtype=args.dtype)
         print(json.dumps(data, indent=1))
     else:
         with console.status(f"checking EXL3 kernels in {python}") as status:
-            data = run_report(python, args.all, args.device, lambda what: status.update(f"checking {what}"))
+            data = run_report(python, args.all, args.device, lambda what: status.update(f"checking {what}"),
+                              args.dtype)
         print_report(data, Console())
     return 0 if data["ok"] else 1
 
@@ -152,4 +153,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="the report as one JSON object (to send back)")
     p.add_argument("--all", action="store_true", help="every rate under the CPU interpreter too (slow)")
     p.add_argument("--device", help="torch device to check (default: the first CUDA/XPU device, else cpu)")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"),
+                   help="activations of the linear checks (models served in bf16 use bfloat16 kernels)")
     p.set_defaults(handler=_cmd_selftest)

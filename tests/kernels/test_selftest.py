@@ -173,7 +173,7 @@ def test_triton_gemv_failing_on_a_gpu_falls_to_the_reconstruct_kernel_then_the_r
         return True, 0.0, 1.0, ""
 
     broken = {"TritonLinearKernel"}
-    monkeypatch.setattr(selftest_checks, "checks_for", lambda kernel, device, bits, codebook: {
+    monkeypatch.setattr(selftest_checks, "checks_for", lambda kernel, device, bits, codebook, dtype=None: {
         "gemv_split_k" if kernel.backend == "triton" else "reconstruct_gemm":
             failing if kernel.__name__ in broken else passing})
     monkeypatch.setattr(TritonLinearKernel, "refuse", classmethod(lambda cls, spec, device: None))
@@ -198,3 +198,20 @@ def test_reconstruct_kernel_matches_the_reference_and_passes_its_checks():
     assert y.shape == (2, 5, 256) and selftest_checks._rel_err(y, expected) < selftest.TOLERANCE
     got = selftest.run_kernel(TritonReconstructKernel, 3, "mcg", device)
     assert [r.path for r in got] == ["decode", "reconstruct_gemm"] and all(r.ok for r in got)
+
+
+def test_each_activation_dtype_gets_its_own_verdict(fresh, monkeypatch):
+    """bf16 and fp16 layers compile different kernel variants: a kernel broken for one dtype still serves the
+    other."""
+
+    class BrokenInBf16(TorchReferenceKernel):
+        backend = "cpu"
+
+        def apply(self, x, trellis, suh, svh, bias=None):
+            y = super().apply(x, trellis, suh, svh, bias)
+            return y * 1.01 if x.dtype == torch.bfloat16 else y
+
+    monkeypatch.setitem(dispatch.CANDIDATES, "cpu", (BrokenInBf16, TorchReferenceKernel))
+    assert type(prepare(KernelSpec(128, 128, 3, "mcg", torch.float16), "cpu")) is BrokenInBf16
+    assert type(prepare(KernelSpec(128, 128, 3, "mcg", torch.bfloat16), "cpu")) is TorchReferenceKernel
+    assert {r.dtype for r in selftest.results()} == {"float16", "bfloat16"}

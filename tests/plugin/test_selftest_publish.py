@@ -38,7 +38,7 @@ def test_refusals_reach_the_kernel_rows(fresh, monkeypatch):
     def direct_differs(bits, codebook, device, shape):
         return False, 0.5, 1.0, "direct launch differs from Triton's"
 
-    monkeypatch.setattr(selftest_checks, "checks_for", lambda kernel, device, bits, codebook: {
+    monkeypatch.setattr(selftest_checks, "checks_for", lambda kernel, device, bits, codebook, dtype=None: {
         "gemv_split_k": broken_split_k if bits == 2.5 else (lambda *a: (True, 0.0, 1.0, "")),
         "bound_direct": direct_differs})
     selftest.set_publisher(publish_selftest)
