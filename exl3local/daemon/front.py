@@ -97,7 +97,7 @@ class Front:
                                      "cannot listen there",
                                      hint=f"free port {port}, or choose another with `exl3local up --port N`") from None
         await self.close()
-        self._served = asgi.Served(self.app, sock, idle_timeout_s=IDLE_TIMEOUT_S, own_headers=False)
+        self._served = asgi.Served(self.app, sock, idle_timeout_s=IDLE_TIMEOUT_S, own_headers=False, http="auto")
         await self._served.started()
         self.host, self.port = host, port
         log.info("endpoint listening on http://%s:%d", host, port)
