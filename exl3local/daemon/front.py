@@ -131,7 +131,8 @@ class Front:
         if plan is None:
             return openai_error(503, "no model is being served: run `exl3local up`", "service_unavailable")
         key = plan.spec.env.get(VLLM_API_KEY_ENV)
-        if key and request.url.path.startswith("/v1"):
+        # a CORS preflight carries no Authorization (browsers never send it there): vLLM lets OPTIONS through too
+        if key and request.url.path.startswith("/v1") and request.method != "OPTIONS":
             sent = request.headers.get("authorization", "").encode()
             if not secrets.compare_digest(sent, f"Bearer {key}".encode()):
                 return JSONResponse({"error": "Unauthorized"}, 401)  # vLLM's own answer, so clients see one shape

@@ -23,6 +23,9 @@ def test_the_api_key_is_enforced_at_the_front(box, tiny_models, tmp_path):
     ok = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "standin"
     assert httpx.get(f"http://127.0.0.1:{box.engine_port}/health").status_code == 200  # open, as in vLLM
+    # a browser's CORS preflight carries no key: it reaches the engine (the stand-in has no OPTIONS: 501)
+    preflight = httpx.options(url, headers={"Origin": "http://localhost:5173", "Access-Control-Request-Method": "GET"})
+    assert preflight.status_code == 501
 
 
 def test_a_stopped_engine_is_a_503_in_openai_shape_and_the_port_stays_held(box, tiny_models):
