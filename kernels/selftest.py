@@ -218,6 +218,41 @@ def plan(device: torch.device, every_rate: bool = False) -> tuple[list[tuple[typ
     return todo, notes
 
 
+# Per-linear timings on a GPU (what one projection of a 27B-class model costs per call): shapes as bench/kernels.py
+# measures them on the H200 (docs/PERF.md), 4-bit mul1, through the kernel a layer would get here.
+BENCH_SHAPES = ((5120, 17408), (17408, 5120))
+BENCH_ROWS = (1, 16, 64)
+
+
+def benchmarks(device: torch.device, dtype: torch.dtype, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """µs per call of one bound EXL3 linear at BENCH_SHAPES and BENCH_ROWS on a GPU (warm, averaged); [] on CPU."""
+    from exl3local.kernels.bound import BoundLinear
+    from exl3local.kernels.dispatch import KernelSpec, prepare
+    from exl3local.kernels.selftest_checks import _layer, _timed
+
+    if device.type == "cpu":
+        return []
+    out = []
+    for k, n in BENCH_SHAPES:
+        trellis, suh, svh = _layer(k, n, 4, "mul1", device, seed=13)
+        try:
+            kernel = prepare(KernelSpec(k, n, 4, "mul1", dtype), device)
+            layer = BoundLinear([(kernel, trellis, suh, svh, n)], k)
+            layer.reserve()
+            for rows in BENCH_ROWS:
+                if progress is not None:
+                    progress(f"benchmark {k}x{n} at {rows} rows")
+                x = torch.randn(rows, k, device=device).to(dtype)
+                layer(x)  # compile and warm
+                _, us = _timed(lambda: layer(x), device)
+                out.append({"k": k, "n": n, "bits": 4.0, "codebook": "mul1", "rows": rows,
+                            "kernel": type(kernel).__name__, "path": str(kernel.path_for(rows)), "us": round(us, 1)})
+        except Exception as exc:  # a benchmark that cannot run says so; the checks above decide what is served
+            out.append({"k": k, "n": n, "error": f"{type(exc).__name__}: {exc}"})
+        del trellis, suh, svh
+    return out
+
+
 def report(device: torch.device, every_rate: bool = False, progress: Callable[[str], None] | None = None,
            dtype: torch.dtype = torch.float16) -> dict:
     """The whole self-test as one JSON-able object: device, versions, results (one entry per check)."""
@@ -231,7 +266,8 @@ def report(device: torch.device, every_rate: bool = False, progress: Callable[[s
     direct = direct_launch_refusal(device) or (f"bound_direct failed: {failed.detail}" if failed else None)
     return {"device": device_info(device), "versions": versions(), "results": [r.to_json() for r in out],
             "ok": all(r.ok for r in out), "seconds": round(time.perf_counter() - start, 1), "notes": notes,
-            "direct_launch": "used" if direct is None else f"off: {direct}"}
+            "direct_launch": "used" if direct is None else f"off: {direct}",
+            "benchmarks": benchmarks(device, dtype, progress)}
 
 
 def main(argv: list[str] | None = None) -> int:

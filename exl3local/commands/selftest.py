@@ -127,6 +127,9 @@ def print_report(data: dict, console: Console) -> None:
         if not entry["ok"]:
             console.print(f"[red]FAIL[/red] {entry['kernel']} {entry['path']} at {entry['bits']:g}-bit "
                           f"{entry['codebook']}: {entry['detail']}", highlight=False)
+    for b in data.get("benchmarks", ()):
+        what = f"{b['kernel']} {b['path']}, {b['rows']} rows: {b['us']:.0f} µs" if "us" in b else b["error"]
+        console.print(f"bench     {b['k']}x{b['n']} 4-bit mul1, {what}", highlight=False)
     for note in data.get("notes", ()):
         console.print(f"note      {note}", highlight=False)
     failed = sum(not e["ok"] for e in data["results"])

@@ -128,6 +128,7 @@ def test_every_path_and_rate_on_the_gpu():
     assert not failed, failed
     paths = {r["path"] for r in data["results"]}
     assert {"decode", "gemv_split_k", "moe_decode", "bound_direct", "reference"} <= paths
+    assert data["benchmarks"] and all("us" in b for b in data["benchmarks"]), data["benchmarks"]
 
 
 def test_direct_launch_only_where_tested_and_not_refuted(fresh, monkeypatch):
