@@ -42,6 +42,7 @@ COLOURS = {
     "STOPPING": "#9aa0a6",
     "STOPPED": "#9aa0a6",
     "FAILED": "#e5484d",
+    "IDLE": "#5b8def",  # unloaded by the keep-alive: the next request starts it
     DOWN: "#4a4f57",
 }
 # The state as the menu's first line says it.
@@ -52,6 +53,7 @@ STATE_WORDS = {
     "STOPPING": "Stopping…",
     "STOPPED": "Stopped",
     "FAILED": "Failed",
+    "IDLE": "Idle (memory given back; the next request loads the model)",
     DOWN: "Daemon not running",
 }
 BACKGROUND = "#1f2a44"

@@ -217,3 +217,10 @@ def test_pygobject_without_gtk_data_names_that_package(tmp_path):
     said = _menu_problem(tmp_path, gi_without_gtk)
     assert "GTK 3's introspection data is not" in said and "gir1.2-gtk-3.0 (Debian/Ubuntu)" in said
     assert _menu_problem(tmp_path / "ok", "def require_version(namespace, version):\n    pass\n") == "None"
+
+
+def test_every_engine_state_has_a_colour_and_words():
+    """A state the daemon can report (IDLE since issue 23) must not break the icon or its menu."""
+    from exl3local.api.protocol import EngineState
+
+    assert all(s.value in tray.COLOURS and s.value in tray.STATE_WORDS for s in EngineState)

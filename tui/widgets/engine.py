@@ -18,6 +18,7 @@ STATE_STYLE = {
     EngineState.BACKOFF: "bold dark_orange",
     EngineState.FAILED: "bold red",
     EngineState.STOPPED: "bold bright_black",
+    EngineState.IDLE: "bold blue",
 }
 
 
