@@ -2,7 +2,7 @@
 
 Two users:
 - the dispatch (kernels/dispatch.py), at load: before a layer gets a kernel, that kernel's checks run once per
-  (kernel, bits, codebook, device) in this process; a kernel that fails to compile or to match is refused for
+  (kernel, bits, codebook, device, activation dtype) in this process; a kernel that fails to compile or to match is refused for
   that rate, with the failed check as its reason, and the layer takes the next candidate. Results go to whoever
   `set_publisher` named (the plugin: its trace file, which status, doctor and the dashboard read).
 - `exl3local selftest` (through `python -m exl3local.kernels.selftest --json` in the engine's interpreter): every
