@@ -79,7 +79,7 @@ def main() -> None:
         compile_one(triton_hadamard._input_kernel,
                     {"x_ptr": "*bf16", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
                      "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32", "k_valid": "i32"},
-                    dict(HAS_IDS=has_ids, SCALE=HADAMARD_SCALE, BM=16))
+                    dict(HAS_IDS=has_ids, SCALE=HADAMARD_SCALE, BM=16, PAIRS=False, GLU=False))
         compile_one(triton_hadamard._output_kernel,
                     {"z_ptr": "*fp32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i32", "y_ptr": "*fp16",
                      "M": "i32", "size_n": "i32", "splits": "i32", "stride_zs": "i32"},
