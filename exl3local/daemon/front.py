@@ -169,7 +169,9 @@ class Front:
         scheduler = self.daemon.scheduler
         spec = self.daemon.plan.spec
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP_BY_HOP]
-        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        # the path as the client sent it (percent-escapes kept), not starlette's decoded one
+        path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
+        target = path + (f"?{request.url.query}" if request.url.query else "")
         client = self.engine(spec.uds)
         upstream = client.build_request(request.method, target, headers=headers, content=await request.body())
         try:

@@ -30,6 +30,9 @@ def test_the_api_key_is_enforced_at_the_front(box, tiny_models, tmp_path):
 
 def test_a_stopped_engine_is_a_503_in_openai_shape_and_the_port_stays_held(box, tiny_models):
     assert box.cli("up", str(tiny_models[TINY])).returncode == 0
+    # forwarded as sent: the path's percent-escapes and the query reach the engine unchanged
+    assert httpx.get(f"http://127.0.0.1:{box.engine_port}/v1/a%2Fb?q=%20x").status_code == 404  # the stand-in's
+    assert "INFO standin: request /v1/a%2Fb?q=%20x" in box.cli("logs", "-n", "50").stdout
     base = f"http://127.0.0.1:{box.daemon_port}/api"
     assert httpx.post(f"{base}/stop", headers={"X-Exl3local-Token": box.token()}, timeout=60).status_code == 200
     answer = httpx.get(f"http://127.0.0.1:{box.engine_port}/v1/models")
