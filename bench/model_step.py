@@ -22,7 +22,7 @@ grouped expert GEMM `exl3_mgemm` with device-side ids for ≤ MGEMM_MAX_TOKENS t
 tier), else per expert with LinearEXL3 over tokens binned on the host.
 
     python3 -P bench/model_step.py --out $OUT                         # on the H200 (bench/model-step-device.sh)
-    TRITON_INTERPRET=1 python -P bench/model_step.py --smoke          # CPU, tiny model, ours only (CI smoke)
+    TRITON_INTERPRET=1 python -P bench/model_step.py --smoke          # CPU, tiny MoE model, ours only (CI smoke)
 """
 
 from __future__ import annotations
@@ -393,6 +393,45 @@ def measure(fn, rows: int, graphs: bool) -> dict:
     return out
 
 
+def bench_groups(rows_list, bits: float, codebook: str) -> list[dict]:
+    """Each distinct fused linear of both models, one GroupLaunch (2 launches) vs a FusedLaunch per part
+    (2 per part, the arrangement before GroupLaunch), same tensors, µs per call eager and graph."""
+    from exl3local.kernels.bound import FusedLaunch, GroupLaunch
+
+    gen = torch.Generator(device=DEVICE[0]).manual_seed(3)
+    shapes = {}
+    for name in ("35b-a3b", "27b"):
+        for i in (0, MODELS[name]["interval"] - 1):
+            for op in layer_ops(MODELS[name], i):
+                if op[0] == "linear" and len(op[3]) > 1:
+                    shapes[(op[2], tuple(op[3]))] = f"{name} {op[1]}"
+    out = []
+    for (k, parts), label in shapes.items():
+        lin = Linear(gen, k, list(parts), bits, codebook)
+        grouped = lin.ours
+        assert isinstance(grouped.launches[0][0], GroupLaunch)
+        split = BoundLinear(grouped.parts, k)
+        split.launches, start = [], 0
+        for _, t, su, sv, n in grouped.parts:
+            split.launches.append((FusedLaunch(t, su, sv, bits, codebook), start, n))
+            start += n
+        split.reserve()
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen, device=DEVICE[0]).half()
+            row = dict(kind="group", shape=label, k=k, parts=list(parts), rows=rows)
+            for tag, layer in (("grouped", grouped), ("per_part", split)):
+                row[f"{tag}_eager_us"] = eager_us(lambda layer=layer: layer(x), min_s=0.2, max_reps=2000)
+                row[f"{tag}_graph_us"] = graph_us(lambda layer=layer: layer(x), reps=200)
+            row["rel"] = round(((grouped(x).double() - split(x).double()).norm() / split(x).double().norm()).item(), 8)
+            out.append(row)
+            log(json.dumps(row))
+    log("\nfused layer                 M   grouped eager/graph µs   per-part eager/graph µs")
+    for r in out:
+        log(f"{r['shape']:26s} {r['rows']:3d}   {r['grouped_eager_us']:8.1f} {r['grouped_graph_us']:8.1f}   "
+            f"{r['per_part_eager_us']:8.1f} {r['per_part_graph_us']:8.1f}")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="35b-a3b,27b")
@@ -406,6 +445,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tag", default="model_step")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny models, ours only, eager only")
+    parser.add_argument("--groups", action="store_true", help="only: fused layers grouped vs per part (GPU)")
     args = parser.parse_args()
     if args.smoke:
         DEVICE[0] = "cpu"
@@ -413,10 +453,15 @@ def main() -> int:
         if args.models == "35b-a3b,27b":
             args.models = "tiny-moe"  # every op kind (tiny-dense adds only another linear group)
         if args.rows == ",".join(map(str, ROWS)):
-            args.rows = "1,130"  # the unit kernel and the per-expert dense path
+            args.rows = "1,5"  # MoE decode and grouped paths (on Triton every path is the unit kernel)
     elif not torch.cuda.is_available():
         log("bench/model_step.py needs a CUDA device (or --smoke for the CPU interpreter)")
         return 2
+    if args.groups:
+        results = bench_groups([1, 4, 16], args.bits, args.codebook)
+        with open(os.path.join(args.out, f"{args.tag}_groups.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        return 0
     exl3 = None if args.no_exl3 else Exl3Side()
     if exl3 is not None and exl3.error:
         log(f"exllamav3 unavailable: {exl3.error}")
