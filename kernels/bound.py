@@ -33,6 +33,10 @@ from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kerne
 from exl3local.kernels.triton_gemv import FMA_ONE_ROW_BITS, choose_splits, exl3_gemv_ring_kernel, ring_config, ring_dot_config
 from exl3local.kernels.triton_hadamard import NATURAL, _input_kernel, hadamard_operands, rows_per_program
 
+# Fused layers wider than this many 128-column blocks keep a launch pair per part: on the H200 one grid lost at
+# 272 blocks (27B gate_up, 2 x 17408: 169 vs 132 µs at M = 1) and won at 128 and below (27B in_proj_qkvz 65 vs
+# 72 µs, q/k/v 57 vs 84; docs/PERF.md "Model step"); between them is unmeasured.
+GROUP_MAX_BLOCKS = 256
 MAX_ROWS = 16  # one dot tile of rows; more rows go to the reconstruct path (dispatch.GEMV_MAX_ROWS)
 BLOCK_N = FUSED_BLOCK_N_TILES * 16
 
@@ -308,6 +312,8 @@ def group_launch(parts, bias: torch.Tensor | None = None) -> GroupLaunch | None:
     kernels = [part[0] for part in parts]
     specs = {(k.spec.bits, k.spec.codebook, k.spec.size_k) for k in kernels}
     if len(parts) < 2 or len(specs) != 1 or kernels[0].spec.bits in FMA_ONE_ROW_BITS:
+        return None
+    if sum(k.spec.size_n for k in kernels) // BLOCK_N > GROUP_MAX_BLOCKS:
         return None
     trellis0 = parts[0][1]
     if any(p[1].untyped_storage().data_ptr() != trellis0.untyped_storage().data_ptr() or

@@ -101,12 +101,14 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
     lane = tl.arange(0, BM)
     if PARTS > 0:
         row = parts_ptr + pid_n * 8
-        part_cols = tl.load(row + 1)
-        part_n = tl.load(row + 4)
+        # Offsets read from memory carry no alignment facts: state them (whole tiles of 8·bits words, whole
+        # 128-column blocks), or the trellis loads lose their vector width.
+        part_cols = tl.multiple_of(tl.load(row + 1), 128)
+        part_n = tl.multiple_of(tl.load(row + 4), 8)
         local_n = pid_n - tl.load(row + 6)
         rm = pid_m * BM + lane
         mask_m = rm < M
-        acc = ring_dot(u_ptr, w_ptr + tl.load(row), rm * PARTS + tl.load(row + 5), mask_m, size_k, part_n,
+        acc = ring_dot(u_ptr, w_ptr + tl.multiple_of(tl.load(row), 16), rm * PARTS + tl.load(row + 5), mask_m, size_k, part_n,
                        pid_s * steps_per_split * KT, steps_per_split, local_n * BNT, KA, HALF, W32, G, CODEBOOK, BM,
                        BNT, KT)
         c = tl.arange(0, 128)

@@ -157,3 +157,22 @@ def test_parts_at_different_rates_keep_a_launch_each(make_layer, kernel_device):
         trellis, suh, svh = make_layer(128, 128, bits, "mul1", seed=int(bits))
         parts.append((prepare(KernelSpec(128, 128, bits, "mul1"), kernel_device, "triton"), trellis, suh, svh, 128))
     assert len(BoundLinear(parts, 128).launches) == 2
+
+
+def test_very_wide_fused_layers_keep_a_launch_pair_per_part(kernel_device):
+    """Above GROUP_MAX_BLOCKS column blocks in all (27B gate_up: measured slower as one grid) the parts stay
+    separate; at or below it they share one grid."""
+    from exl3local.kernels.bound import GROUP_MAX_BLOCKS, GroupLaunch
+
+    def layer(n):
+        words = reference.words_per_tile(4)
+        size = 8 * (n // 16) * words
+        arena = torch.zeros(2 * size, dtype=torch.int16, device=kernel_device)
+        kernel = prepare(KernelSpec(128, n, 4, "mul1"), kernel_device, "triton")
+        parts = [(kernel, arena[i * size:(i + 1) * size].view(8, n // 16, words),
+                  torch.ones(128, dtype=torch.float16, device=kernel_device),
+                  torch.ones(n, dtype=torch.float16, device=kernel_device), n) for i in range(2)]
+        return BoundLinear(parts, 128)
+
+    assert isinstance(layer(GROUP_MAX_BLOCKS * 64).launches[0][0], GroupLaunch)
+    assert len(layer(GROUP_MAX_BLOCKS * 64 + 128).launches) == 2
