@@ -34,6 +34,9 @@ def dry_run(tmp_path, tree, model, python) -> dict:
 
 def engine_args(argv: list[str]) -> EngineArgs:
     args = vllm_cli.make_arg_parser(FlexibleArgumentParser()).parse_args(argv[LAUNCHER:])
+    # `vllm serve MODEL` puts the positional into --model, as its CLI does: otherwise --model keeps vLLM's
+    # default hub id, which HF_HUB_OFFLINE (the test command's) resolves from a cache a fresh machine lacks
+    args.model = args.model_tag or args.model
     return EngineArgs.from_cli_args(args)
 
 
