@@ -74,6 +74,21 @@ def _bits2(bits: float) -> int:
     return int(round(2 * bits))
 
 
+def _bind_operands(op, lib: ctypes.CDLL, trellis: torch.Tensor, tiles_k: int, tiles_n: int, suh: torch.Tensor,
+                   svh: torch.Tensor, bits: float, codebook: str) -> None:
+    """The library calls' operands, set on `op` (a linear or an expert stack: they differ in tile dims only)."""
+    op.lib, op.trellis = lib, trellis
+    op.tiles_k, op.tiles_n = tiles_k, tiles_n
+    op.size_k, op.size_n = 16 * tiles_k, 16 * tiles_n
+    op.bits2 = _bits2(bits)
+    op.codebook = CODEBOOKS.index(codebook)
+    op.suh = suh.float().contiguous()
+    op.svh = svh.float().contiguous()
+    # The portable tiers decode through the codebook table (exact: every entry is an fp16 value).
+    op.lut = lut(codebook).float() if lib.exl3_cpu_tier() == 0 else None
+    op.lut_ptr = op.lut.data_ptr() if op.lut is not None else None
+
+
 class CpuLinear:
     """One EXL3 projection bound to the library: trellis (k/16, n/16, w) int16, suh (k,), svh (n,)."""
 
@@ -81,17 +96,7 @@ class CpuLinear:
                  tier: str | None = None) -> None:
         if not trellis.is_contiguous():
             raise ValueError("the CPU kernel reads the trellis as stored: it must be contiguous")
-        self.lib = library(tier)
-        self.trellis = trellis
-        self.tiles_k, self.tiles_n = trellis.shape[0], trellis.shape[1]
-        self.size_k, self.size_n = 16 * self.tiles_k, 16 * self.tiles_n
-        self.bits2 = _bits2(bits)
-        self.codebook = CODEBOOKS.index(codebook)
-        self.suh = suh.float().contiguous()
-        self.svh = svh.float().contiguous()
-        # The portable tiers decode through the codebook table (exact: every entry is an fp16 value).
-        self.lut = lut(codebook).float() if self.lib.exl3_cpu_tier() == 0 else None
-        self.lut_ptr = self.lut.data_ptr() if self.lut is not None else None
+        _bind_operands(self, library(tier), trellis, trellis.shape[0], trellis.shape[1], suh, svh, bits, codebook)
 
     def path_for(self, rows: int) -> str:
         return "gemv" if rows <= GEMV_MAX_ROWS else "gemm"
@@ -143,16 +148,7 @@ class CpuExpertProjection:
     def __init__(self, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str) -> None:
         if not trellis.is_contiguous():
             raise ValueError("the CPU kernel reads the expert trellises as stored: they must be contiguous")
-        self.lib = library()
-        self.trellis = trellis
-        self.tiles_k, self.tiles_n = trellis.shape[1], trellis.shape[2]
-        self.size_k, self.size_n = 16 * self.tiles_k, 16 * self.tiles_n
-        self.bits2 = _bits2(bits)
-        self.codebook = CODEBOOKS.index(codebook)
-        self.suh = suh.float().contiguous()
-        self.svh = svh.float().contiguous()
-        self.lut = lut(codebook).float() if self.lib.exl3_cpu_tier() == 0 else None
-        self.lut_ptr = self.lut.data_ptr() if self.lut is not None else None
+        _bind_operands(self, library(), trellis, trellis.shape[1], trellis.shape[2], suh, svh, bits, codebook)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int = 1) -> torch.Tensor:
         """Unit i = row x[i // x_div] through expert ids[i] (< 0: another rank's, its row stays zero):
