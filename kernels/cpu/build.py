@@ -1,5 +1,5 @@
 """Build the CPU EXL3 library: one shared object per ISA tier, compiled from exl3_cpu.cpp with the system C++
-compiler (g++/c++, or $CXX). scripts/setup runs `python -P -m exl3local.kernels.cpu.build`; the loader
+compiler (g++/c++, or $CXX); the tier's header comes in through the source's #include. scripts/setup runs `python -P -m exl3local.kernels.cpu.build`; the loader
 (kernels/cpu/ops.py) builds on first use when the file is missing, and without a compiler the dispatch falls
 back to the reference decoder with the reason.
 
@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("exl3_cpu.cpp")
+HEADERS = ("exl3_cpu_core.h", "exl3_cpu_avx512.h", "exl3_cpu_portable.h")  # included by SOURCE, hashed with it
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 # Per tier: the flags, and the /proc/cpuinfo flags the machine needs to run it.
 TIERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -64,7 +65,8 @@ def compiler() -> str | None:
 
 
 def library_name(tier: str) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMMON_FLAGS + TIERS[tier][0]).encode()).hexdigest()[:12]
+    text = SOURCE.read_bytes() + b"".join(SOURCE.with_name(h).read_bytes() for h in HEADERS)
+    digest = hashlib.sha256(text + " ".join(COMMON_FLAGS + TIERS[tier][0]).encode()).hexdigest()[:12]
     return f"libexl3cpu-{tier}-{digest}.so"
 
 

@@ -1,0 +1,194 @@
+// The AVX-512 tier (F/BW/VL/DQ + VBMI + VNNI + F16C): the codebook computed in vector registers.
+#pragma once
+#include <immintrin.h>
+
+#include "exl3_cpu_core.h"
+
+namespace {
+
+struct Groups {
+    // Lanes 2q and 2q+1 (positions p, p+1) share qword q: its 8 bytes are the stream bytes from p's state's first
+    // byte on, most significant first, so the qword's value is the stream read big-endian (vpermb indices).
+    __m512i bytes[16];
+    // vpmultishiftqb controls: each lane's bytes 0 and 1 take the 16 state bits out of its qword (bytes 2 and 3 are
+    // zeroed by the mask), so the state lands in the lane's low half with no shifts on port 0.
+    __m512i ctrl[16];
+    __m512i urow[16];  // the tile row each lane's weight multiplies
+    __mmask16 load_mask[16];
+    int base[16];  // first buf word a group reads
+};
+
+void make_groups(const Rate& r, Groups& g) {
+    for (int gi = 0; gi < 16; ++gi) {
+        int lo = 1 << 30, hi = 0;
+        for (int l = 0; l < 16; ++l) {
+            lo = r.i0[16 * gi + l] < lo ? r.i0[16 * gi + l] : lo;
+            hi = r.i0[16 * gi + l] > hi ? r.i0[16 * gi + l] : hi;
+        }
+        alignas(64) uint8_t bytes[64], ctrl[64];
+        alignas(64) int urow[16];
+        for (int q = 0; q < 8; ++q) {
+            const int p0 = 16 * gi + 2 * q, first = (32 * r.i0[p0] + r.off[p0]) >> 3;
+            // Stream byte j sits in buf word j/4 at little-endian byte 3 - j%4 (MSB-first words); qword byte t holds
+            // stream byte first + 7 - t. Bytes past the loaded words only fill bits below both states (don't care).
+            for (int t = 0; t < 8; ++t) {
+                const int j = first + 7 - t;
+                bytes[8 * q + t] = (uint8_t)((4 * ((j >> 2) - lo) + 3 - (j & 3)) & 63);
+            }
+            for (int h = 0; h < 2; ++h) {
+                const int p = p0 + h, rel = 32 * r.i0[p] + r.off[p] - 8 * first;  // state's first bit, MSB-first
+                ctrl[8 * q + 4 * h] = (uint8_t)(48 - rel);
+                ctrl[8 * q + 4 * h + 1] = (uint8_t)(56 - rel);
+                ctrl[8 * q + 4 * h + 2] = ctrl[8 * q + 4 * h + 3] = 0;
+            }
+        }
+        for (int l = 0; l < 16; ++l) urow[l] = row_of(16 * gi + l);
+        g.bytes[gi] = _mm512_load_si512(bytes);
+        g.ctrl[gi] = _mm512_load_si512(ctrl);
+        g.urow[gi] = _mm512_load_si512(urow);
+        g.base[gi] = lo;
+        // buf words [lo, hi+1], clipped to the ring (buf index words32 is U's last word); masked-off words read
+        // as zero and only ever fill bits below a state.
+        int last = hi + 1 < r.words32 ? hi + 1 : r.words32;
+        int count = last - lo + 1;
+        g.load_mask[gi] = (__mmask16)((1u << count) - 1);
+    }
+}
+
+const Groups& groups_for(const Rate& r) {
+    static Groups groups[MAX_BITS2 + 1];
+    static std::once_flag once[MAX_BITS2 + 1];
+    const int bits2 = r.words32 / 4;
+    std::call_once(once[bits2], [&r, bits2] { make_groups(r, groups[bits2]); });
+    return groups[bits2];
+}
+
+// s: 16-bit states (upper bits zero) -> fp32 weights, each exactly its fp16 value.
+template <int CB>
+inline __m512 decode16(__m512i s) {
+    __m512 f;
+    if constexpr (CB == CB_MUL1) {
+        const __m512i x = _mm512_mullo_epi32(s, _mm512_set1_epi32((int)0x83DCD12Du));
+        // The byte sum lands in the mantissa of 2^23 (float bits 0x4B000000 + sum = 2^23 + sum), and the affine
+        // constant absorbs the 2^23 - 1024: the fma's one rounding of an exactly representable value is exact.
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_set1_epi32(0x4B000000), x, _mm512_set1_epi32(0x01010101));
+        constexpr double k_inv = 887.0 / 131072.0;
+        constexpr float bias = (float)(-1329.0 / 128.0 + (1024.0 - 8388608.0) * k_inv);
+        f = _mm512_fmadd_ps(_mm512_castsi512_ps(sum), _mm512_set1_ps((float)k_inv), _mm512_set1_ps(bias));
+    } else {
+        __m512i x = _mm512_mullo_epi32(s, _mm512_set1_epi32(CB == CB_MCG ? (int)0xCBAC1FEDu : 0x05517C72));
+        if constexpr (CB == CB_3INST) x = _mm512_add_epi32(x, _mm512_set1_epi32(0x03D45AA4));
+        const __m512i y = _mm512_ternarylogic_epi32(x, _mm512_set1_epi32((int)0x8FFF8FFFu),
+                                                    _mm512_set1_epi32(0x3B603B60), 0x6A);  // (a & b) ^ c
+        const __m512 lo = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(y));
+        const __m512 hi = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(y, 16)));
+        f = _mm512_add_ps(lo, hi);  // exact in fp32; the fp16 rounding below is the __hadd's
+    }
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// The 16 weights of group gi of the tile at U (words32 uint32 words), in position order.
+template <int CB>
+inline __m512 decode_group(const uint32_t* U, int words32, const Groups& g, int gi) {
+    __m512i v;
+    if (gi == 0) {  // buf[0] is the ring's last word (tail-biting)
+        const __m512i head = _mm512_maskz_loadu_epi32(g.load_mask[0] >> 1, U);
+        v = _mm512_alignr_epi32(head, _mm512_set1_epi32((int)U[words32 - 1]), 15);
+    } else {
+        v = _mm512_maskz_loadu_epi32(g.load_mask[gi], U + g.base[gi] - 1);
+    }
+    // Eight stream bytes per lane pair, then each lane's 16 state bits into its low half (both on port 5).
+    const __m512i window = _mm512_permutexvar_epi8(g.bytes[gi], v);
+    return decode16<CB>(_mm512_maskz_multishift_epi64_epi8(0x3333333333333333ull, g.ctrl[gi], window));
+}
+
+// One work item: the 128 output columns of chunk c for m rows of u, over every k tile of one trellis.
+// acc: m * CHUNK_TILES * POSITIONS floats (64-byte aligned), ue: m * 16 vectors.
+template <int CB>
+void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const Groups& g, const float* u,
+                int m, int c, float* acc, __m512* ue, const float* svh, float* y, size_t y_stride) {
+    const int k = tiles_k * 16, words16 = 2 * r.words32;
+    const size_t row_words = (size_t)tiles_n * words16;
+    std::memset(acc, 0, sizeof(float) * m * CHUNK_TILES * POSITIONS);
+    const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
+    const int chunk_bytes = CHUNK_TILES * words16 * 2;
+    for (int tk = 0; tk < tiles_k; ++tk) {
+        if (tk + 4 < tiles_k) {  // rows of a chunk are n*K bytes apart: prefetch a few rows ahead
+            const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);
+            for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        }
+        for (int mi = 0; mi < m; ++mi) {
+            const __m512 ut = _mm512_loadu_ps(u + (size_t)mi * k + 16 * tk);
+            for (int gi = 0; gi < 16; ++gi) ue[mi * 16 + gi] = _mm512_permutexvar_ps(g.urow[gi], ut);
+        }
+        const int16_t* row = col0 + (size_t)tk * row_words;
+        if (m == 1) {  // decode: the row loop and the ring-head branch unrolled away
+            for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+                const uint32_t* U = (const uint32_t*)(row + (size_t)ct * words16);
+                float* a = acc + ct * POSITIONS;
+#pragma GCC unroll 16
+                for (int gi = 0; gi < 16; ++gi)
+                    _mm512_store_ps(a + 16 * gi, _mm512_fmadd_ps(ue[gi], decode_group<CB>(U, r.words32, g, gi),
+                                                                 _mm512_load_ps(a + 16 * gi)));
+            }
+            continue;
+        }
+        for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+            const uint32_t* U = (const uint32_t*)(row + (size_t)ct * words16);
+            float* a = acc + ct * POSITIONS;
+            for (int gi = 0; gi < 16; ++gi) {
+                const __m512 w = decode_group<CB>(U, r.words32, g, gi);
+                for (int mi = 0; mi < m; ++mi) {
+                    float* am = a + (size_t)mi * CHUNK_TILES * POSITIONS + 16 * gi;
+                    _mm512_store_ps(am, _mm512_fmadd_ps(ue[mi * 16 + gi], w, _mm512_load_ps(am)));
+                }
+            }
+        }
+    }
+    for (int mi = 0; mi < m; ++mi)
+        finish_block(acc + (size_t)mi * CHUNK_TILES * POSITIONS, svh + c * 128, y + (size_t)mi * y_stride + c * 128);
+}
+
+template <int CB>
+void gemv_units(const Units& w, int tiles_k, int tiles_n, const Rate& r, int threads) {
+    const Groups& g = groups_for(r);
+    const int k = tiles_k * 16, n = tiles_n * 16, chunks = tiles_n / CHUNK_TILES;
+#pragma omp parallel num_threads(threads)
+    {
+        float* acc = (float*)_mm_malloc(sizeof(float) * w.m * CHUNK_TILES * POSITIONS, 64);
+        __m512* ue = (__m512*)_mm_malloc(sizeof(__m512) * w.m * 16, 64);
+#pragma omp for schedule(dynamic)  // units of a grouped call differ in rows
+        for (int item = 0; item < w.units * chunks; ++item) {
+            const int unit = item / chunks, c = item % chunks;
+            const int e = w.ids ? w.ids[unit] : unit;
+            if (e < 0) continue;
+            const size_t row = w.first_row(unit);
+            gemv_chunk<CB>(w.trellis + (size_t)e * w.trellis_stride, tiles_k, tiles_n, r, g, w.u + row * k,
+                           w.rows(unit), c, acc, ue, w.svh + (size_t)e * w.svh_stride, w.y + row * n, n);
+        }
+        _mm_free(ue);
+        _mm_free(acc);
+    }
+}
+
+template <int CB>
+void decode_impl(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, int tn0, int tn1, float* out,
+                 int threads) {
+    const Groups& g = groups_for(r);
+    alignas(64) int rowpos[16][16];  // position of (row, col) inside a tile
+    for (int p = 0; p < POSITIONS; ++p) rowpos[row_of(p)][col_of(p)] = p;
+    const int words16 = 2 * r.words32, width = (tn1 - tn0) * 16;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+    for (int tk = 0; tk < tiles_k; ++tk)
+        for (int tn = tn0; tn < tn1; ++tn) {
+            const uint32_t* U = (const uint32_t*)(trellis + ((size_t)tk * tiles_n + tn) * words16);
+            alignas(64) float tile[POSITIONS];
+            for (int gi = 0; gi < 16; ++gi) _mm512_store_ps(tile + 16 * gi, decode_group<CB>(U, r.words32, g, gi));
+            float* o = out + (size_t)tk * 16 * width + (tn - tn0) * 16;
+            for (int rr = 0; rr < 16; ++rr)
+                _mm512_storeu_ps(o + (size_t)rr * width,
+                                 _mm512_i32gather_ps(_mm512_load_si512(rowpos[rr]), tile, 4));
+        }
+}
+
+}  // namespace

@@ -1,0 +1,111 @@
+// Shared by every tier of the CPU EXL3 library (exl3_cpu.cpp includes it once): the ring's rate tables, the
+// Hadamard transforms and the work-item description.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <omp.h>
+
+namespace {
+
+constexpr int POSITIONS = 256;
+constexpr int CHUNK_TILES = 8;  // 128 output columns per work item: one Hadamard block
+constexpr float HAD_SCALE = 0.088388347648f;
+enum { CB_3INST = 0, CB_MCG = 1, CB_MUL1 = 2 };
+
+struct Rate {
+    int words32;
+    int i0[POSITIONS];   // buf word holding the state's first bit
+    int off[POSITIONS];  // bit offset of the state inside buf[i0]:buf[i0+1]
+};
+
+// bits2 = 2K (K = 1..8 or 1.5/2.5/3.5): odd positions take one extra bit at half rates (mask 0xAAAA).
+void make_rate(int bits2, Rate& r) {
+    const int ka = bits2 / 2, half = bits2 & 1;
+    r.words32 = 4 * bits2;
+    for (int p = 0; p < POSITIONS; ++p) {
+        const int s = (p + 1) * ka + (half ? (p + 1) >> 1 : 0);
+        r.i0[p] = (s + 16) >> 5;
+        r.off[p] = (s + 16) & 31;
+    }
+}
+
+// Tables are built once per rate (bits2 = 2..16) and shared by every call: building them per call cost about as
+// much as a small layer's whole GEMV.
+constexpr int MAX_BITS2 = 16;
+
+const Rate& rate_for(int bits2) {
+    static Rate rates[MAX_BITS2 + 1];
+    static std::once_flag once[MAX_BITS2 + 1];
+    std::call_once(once[bits2], [bits2] { make_rate(bits2, rates[bits2]); });
+    return rates[bits2];
+}
+
+inline int row_of(int p) {
+    const int lane = p >> 3, j = p & 7;
+    return 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
+}
+inline int col_of(int p) { return (p >> 5) + 8 * ((p & 7) >> 2); }
+
+inline uint32_t state_of(const uint32_t* U, const Rate& r, int p) {
+    const int i0 = r.i0[p], off = r.off[p];
+    const uint64_t hi = i0 ? U[i0 - 1] : U[r.words32 - 1];
+    const uint64_t lo = i0 + 1 <= r.words32 ? U[i0] : 0;  // past the ring only when off <= 16: unused bits
+    return (uint32_t)((((hi << 32) | lo) << off) >> 48) & 0xFFFF;
+}
+
+// In-place natural-order 128-point Walsh-Hadamard transform, scaled to orthonormal.
+void fwht128(float* v) {
+    for (int h = 1; h < 128; h <<= 1)
+        for (int i = 0; i < 128; i += 2 * h)
+            for (int j = i; j < i + h; ++j) {
+                const float a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+    for (int i = 0; i < 128; ++i) v[i] *= HAD_SCALE;
+}
+
+// u = H(x ⊙ suh) per 128-block, rows in parallel.
+void input_transform(const float* x, const float* suh, float* u, int m, int k, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 16384)
+    for (int b = 0; b < m * (k / 128); ++b) {
+        const int row = b / (k / 128), col = (b % (k / 128)) * 128;
+        const float* xs = x + (size_t)row * k + col;
+        float* us = u + (size_t)row * k + col;
+        for (int i = 0; i < 128; ++i) us[i] = xs[i] * suh[col + i];
+        fwht128(us);
+    }
+}
+
+// z (16 tile columns' 256 position sums) -> y block of 128 columns: reduce, H, ⊙ svh.
+void finish_block(const float* acc, const float* svh, float* y) {
+    float z[128];
+    for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+        const float* a = acc + ct * POSITIONS;
+        float cols[16] = {0};
+        for (int p = 0; p < POSITIONS; ++p) cols[col_of(p)] += a[p];
+        for (int c = 0; c < 16; ++c) z[16 * ct + c] = cols[c];
+    }
+    fwht128(z);
+    for (int i = 0; i < 128; ++i) y[i] = z[i] * svh[i];
+}
+
+// Work items: `units` (trellis, u rows, svh, y rows) x 128-column chunks, spread over the threads.
+struct Units {
+    const int16_t* trellis;
+    size_t trellis_stride;  // int16 words between units' trellises (0: one trellis)
+    const int* ids;         // per unit: which trellis/svh (nullptr: unit i uses i * stride; < 0: skip)
+    const int* start;       // per unit: its first row of u and y, start[units] = all rows (nullptr: i * m)
+    const float* u;
+    const float* svh;
+    size_t svh_stride;
+    float* y;
+    int units, m;  // m rows per unit (with start: the most any unit has)
+
+    int first_row(int i) const { return start ? start[i] : i * m; }
+    int rows(int i) const { return start ? start[i + 1] - start[i] : m; }
+};
+
+}  // namespace
