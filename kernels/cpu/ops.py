@@ -23,6 +23,9 @@ from exl3local.kernels.cpu import build
 # Rows up to which the one-pass GEMV beats decode-strip + BLAS here (bench/cpu_decode.py measures it:
 # docs/PERF.md, CPU section).
 GEMV_MAX_ROWS = 8
+# Rows per unit of a grouped MoE call (one expert's tokens, cut into units of at most this many): each decoded
+# weight serves that many rows, and the accumulators (8 KiB per row and thread) stay in L2.
+GROUPED_UNIT_ROWS = 16
 # fp32 elements of one decoded strip (8 MiB): large enough for an efficient GEMM, small beside the weights.
 STRIP_ELEMENTS = 2 << 20
 
@@ -35,6 +38,7 @@ _SIGNATURES = {
     "exl3_cpu_tier": ((), _I),
     "exl3_cpu_gemv": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I), None),
     "exl3_cpu_moe": ((_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I), None),
+    "exl3_cpu_moe_grouped": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _I), None),
     "exl3_cpu_decode": ((_P, _I, _I, _I, _I, _P, _I, _I, _P, _I), None),
     "exl3_cpu_output_transform": ((_P, _P, _P, _I, _I, _I), None),
     "exl3_cpu_input_transform": ((_P, _P, _P, _I, _I, _I), None),
@@ -161,4 +165,18 @@ class CpuExpertProjection:
         self.lib.exl3_cpu_moe(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
                               self.lut_ptr, x.data_ptr(), x_div, ids.data_ptr(), units, self.suh.data_ptr(),
                               self.svh.data_ptr(), u.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def grouped(self, x: torch.Tensor, xrow: torch.Tensor, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Unit i = rows start[i]:start[i+1] (at most GROUPED_UNIT_ROWS) through expert ids[i] (>= 0), row r's input
+        being x[xrow[r]]: x (rows, k) -> y (start[-1], n) fp32, in one library call."""
+        x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
+        xrow, ids, start = (t.to(torch.int32).contiguous() for t in (xrow, ids, start))
+        rows = xrow.numel()
+        y = torch.empty(rows, self.size_n, dtype=torch.float32)
+        u = torch.empty(rows, self.size_k, dtype=torch.float32)
+        self.lib.exl3_cpu_moe_grouped(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
+                                      self.lut_ptr, x.data_ptr(), xrow.data_ptr(), ids.data_ptr(), start.data_ptr(),
+                                      ids.numel(), GROUPED_UNIT_ROWS, self.suh.data_ptr(), self.svh.data_ptr(),
+                                      u.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y

@@ -130,3 +130,23 @@ def test_moe_units_match_a_per_expert_loop():
             h = torch.nn.functional.silu(gt) * ut
             want[t] += weights[t, j] * reference.linear(h, w2[e], w2_suh[e], w2_svh[e], 4, "mul1")[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_moe_grouped_matches_the_units(tokens):
+    """The grouped path (rows binned by expert, units of up to GROUPED_UNIT_ROWS rows) against the one-row units,
+    with remote experts (-1) and experts holding more rows than one unit takes."""
+    from exl3local.kernels.cpu.moe import CpuExperts
+
+    E, hidden, inter, top_k = 4, 256, 384, 3
+    g = torch.Generator().manual_seed(5)
+    w13 = torch.randint(-32768, 32768, (E, 2 * _Proj(hidden, inter).words), generator=g, dtype=torch.int16)
+    w2 = torch.randint(-32768, 32768, (E, inter // 16, hidden // 16, 64), generator=g, dtype=torch.int16)
+    scales = [(torch.randn(*shape, generator=g) * 0.1).half() for shape in ((E, 2, hidden), (E, 2, inter), (E, inter), (E, hidden))]
+    proj = {"gate": _Proj(hidden, inter), "up": _Proj(hidden, inter), "down": _Proj(inter, hidden)}
+    experts = CpuExperts(w13, scales[0], scales[1], w2, scales[2], scales[3], proj)
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.randint(-1, E, (tokens, top_k), generator=g)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    got = experts.grouped(x, weights, ids)
+    torch.testing.assert_close(got, experts.units(x, weights, ids), rtol=1e-5, atol=1e-6)
