@@ -12,7 +12,7 @@ from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import ENGINE_ALIVE
 from exl3local.daemon.plan import read_checkpoint
 from exl3local.errors import BudgetError, ConfigError, DaemonUnavailable, Exl3Error
-from exl3local.models import hub, store
+from exl3local.models import catalog, hub, store
 from exl3local.models.store import ModelRef, PulledModel
 from exl3local.units import format_bytes
 
@@ -44,6 +44,15 @@ def _cmd_list(args: argparse.Namespace) -> int:
         (m.name, m.commit[:12], f"{m.bits:g}" if m.bits else "?", format_bytes(m.size_bytes), _fits(m.path), m.architecture)
         for m in models
     ]
+    for name, rec in sorted(catalog.registered().items()):
+        try:
+            m = manifest.read(rec["path"])
+        except Exl3Error:
+            rows.append((name, "-", "?", "?", "?", f"unreadable: {rec['path']}"))
+            continue
+        bits = m.quantization_config.get("bits")
+        rows.append((name, "-", f"{bits:g}" if isinstance(bits, int | float) else "?", format_bytes(m.bytes_on_disk),
+                     _fits(rec["path"]), f"{m.architecture} (registered: {rec['path']})"))
     demo = manifest.read(store.DEMO_MODEL)
     bits = demo.quantization_config.get("bits")
     rows.append(("demo (bundled: `up --demo`)", "-", f"{bits:g}" if isinstance(bits, int | float) else "?",
@@ -98,6 +107,19 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_register(args: argparse.Namespace) -> int:
+    if args.remove:
+        if not catalog.unregister(args.name):
+            raise ConfigError(f"{args.name}: not a registered name", hint="`exl3local list` shows the registered ones")
+        print(f"{args.name} is no longer registered (its directory is untouched)")
+        return 0
+    if args.path is None:
+        raise ConfigError("register takes NAME DIR", hint="e.g. `exl3local register my-model ~/models/my-exl3`")
+    model = catalog.register(args.name, args.path)
+    print(f"{model.name} → {model.path}: requests naming `{model.name}` load it; `exl3local up {model.name}` serves it")
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     m = read_checkpoint(Path(args.path).resolve())  # errors name the directory looked in, not just "config.json"
     print(m.to_json() if args.json else m.summary())
@@ -117,6 +139,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", help="list pulled models; FITS: does it fit the profile `up` would use here")
     p.add_argument("--json", action="store_true", help="print the records as JSON (with FITS as `fits`)")
     p.set_defaults(handler=_cmd_list)
+    p = sub.add_parser("register", help="name a local EXL3 checkpoint directory, so requests can ask for it")
+    p.add_argument("name", help="the `model` name requests use (and /v1/models lists)")
+    p.add_argument("path", nargs="?", metavar="DIR", help="checkpoint directory")
+    p.add_argument("--remove", action="store_true", help="forget NAME (the directory stays)")
+    p.set_defaults(handler=_cmd_register)
     p = sub.add_parser("rm", help="remove a pulled model from the hub cache")
     p.add_argument("model", metavar="REPO[:REVISION]", help="without a revision: every pulled revision of REPO")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask")

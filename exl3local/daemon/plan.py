@@ -21,7 +21,7 @@ from exl3local.api.protocol import UpRequest
 from exl3local.engine import launch, model_fit, vllm_version
 from exl3local.machine import budget, hardware, transient
 from exl3local.machine.select import Device, find_device, model_choices, select
-from exl3local.models import store
+from exl3local.models import catalog, store
 from exl3local.profiles import Profile, speculative_config
 from exl3local.units import format_gib
 
@@ -46,6 +46,7 @@ class Plan:
     key: tuple[Any, ...]  # same key + engine alive → `up` is a no-op
     model_label: str
     model_dir: Path
+    names: tuple[str, ...]  # what requests call it: the served name first, then its aliases (models/catalog.py)
     profile: Profile
     profile_reason: str
     gpu: hardware.GpuInfo
@@ -145,7 +146,10 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     device = find_device(sysfs_root, python=engine_python)
     machine = select(req.profile, req.overrides, device=device)
     prof = machine.profile
-    model_dir, label = store.resolve(req.model, req.demo, prof)
+    # an installed model's name (a registered one, a profile's served name) means that model
+    named = catalog.find(req.model, prof) if req.model and not req.demo else None
+    model_dir, label = (store.resolve(named.up_model, named.up_model is None, prof) if named else
+                        store.resolve(req.model, req.demo, prof))
     man = read_checkpoint(model_dir)
     fitted = model_fit.fit(prof, man, torchvision_missing=model_fit.torchvision_missing(engine_python))
     prof = fitted.profile
@@ -173,17 +177,18 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
         if not dry_run:
             raise errors.ConfigError(busy, hint=f"free port {port}, or choose another with `exl3local up --port N`")
         notes.append(busy)
+    names = catalog.names_for(model_dir, prof)
     tmpdir = DRY_RUN_TMPDIR if dry_run else engine_tmpdir()
     try:
         spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=ENGINE_HOST, gpu=machine.gpu,
                             gpus=device.gpus, cards=device.cards, affinity=device.affinity, python=engine_python,
-                            base_env=environ, uds=os.path.join(tmpdir, ENGINE_SOCKET))
+                            base_env=environ, uds=os.path.join(tmpdir, ENGINE_SOCKET), served_name=names)
     except BaseException:
         if not dry_run:
             os.rmdir(tmpdir)  # a refused start (an unreadable key file) leaves no engine temp dir behind
         raise
     key = (str(model_dir), json.dumps(prof.to_json(), sort_keys=True), port)
-    return Plan(key=key, model_label=label, model_dir=model_dir, profile=prof,
+    return Plan(key=key, model_label=label, model_dir=model_dir, names=names, profile=prof,
                 profile_reason="; ".join([machine.reason, f"device: {machine.device.reason}", *fitted.notes,
                                           *_gpu_notes(bud, notes)]),
                 gpu=machine.gpu, budget=bud, spec=spec, device=device, notes=tuple(notes))

@@ -187,7 +187,7 @@ def build(
     *,
     port: int,
     tmpdir: str,
-    served_name: str | None = None,
+    served_name: str | Sequence[str] | None = None,
     host: str = "127.0.0.1",
     python: str = sys.executable,
     base_env: Mapping[str, str] | None = None,
@@ -202,11 +202,13 @@ def build(
     gpu/gpus: hardware.GpuInfo of the chosen device and of all devices (slot order); cards: the identical cards
     a data- or tensor-parallel engine spans; affinity: their Level Zero indices, where the runtime resolved them.
     Pure: builds the spec from its arguments and `base_env`, reads only the API key file."""
-    name = served_name or profile.model.get("served_name") or model_dir.name
+    # several names: the first is the model's, the rest are aliases vLLM also accepts in `model`
+    names = [served_name] if isinstance(served_name, str) else list(served_name or ())
+    name = names[0] if names else profile.model.get("served_name") or model_dir.name
     argv = [
         python, "-P", "-m", LAUNCHER_MODULE, "serve", str(model_dir),
         *(("--uds", uds) if uds else ("--host", host, "--port", str(port))),
-        "--served-model-name", name,
+        "--served-model-name", name, *names[1:],
         "--quantization", PLUGIN_NAME,
         "--max-model-len", str(budget.max_model_len),
         # the daemon probes /health and scrapes /metrics every second: keep them out of engine.log
