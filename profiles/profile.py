@@ -85,6 +85,13 @@ def _keep_alive(v: object) -> str:
     return "never" if seconds is None else (v if isinstance(v, str) else f"{seconds:g}s")
 
 
+def _bounded_duration(v: object) -> str:
+    seconds = parse_duration(v)
+    if seconds is None:
+        raise ValueError("must be a duration, not \"never\"")
+    return v if isinstance(v, str) else f"{seconds:g}s"
+
+
 def _origins(v: object) -> tuple[str, ...]:
     """Browser origins allowed to call the endpoint: scheme://host[:port], where the port (or the host after
     a scheme like vscode-webview://) may be `*`. A lone `*` (every web page) is refused."""
@@ -164,6 +171,9 @@ SCHEMA: dict[str, dict[str, Callable[[object], Any]]] = {
         # requests in flight and no byte to any of them for this long (while /health answers): the engine
         # is hung, killed and restarted; long enough for the longest prefill (default 300s)
         "progress_timeout": _keep_alive,
+        # a request names another installed model while requests are in flight: they may run this long before
+        # the switch; past it the new request gets 503 + Retry-After (default 60s; 0 refuses at once)
+        "switch_wait": _bounded_duration,
     },
     "env": {},  # any NAME = "value"; checked by _env_value
     "memory": {

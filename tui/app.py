@@ -188,7 +188,9 @@ class Dashboard(App[None]):
         self.screen_panel(MemoryPanel).status = st
         if was_ready and st.state != EngineState.READY:
             self._engine_gone()
-        self.sub_title = f"{st.state.value} · {st.served_model_name or st.model or 'no model'}"
+        self.sub_title = (f"{st.state.value} · {st.served_model_name or st.model or 'no model'}"
+                          + (f" · switching to {st.switch_to}" if st.switch_to else "")
+                          + (f" · {st.requests_waiting} request(s) waiting" if st.requests_waiting else ""))
 
     def on_daemon_lost(self, message: DaemonLost) -> None:
         engine = self.screen_panel(EnginePanel)

@@ -87,6 +87,9 @@ class DaemonStatus:
     keep_alive_s: float | None = None  # idle time before the engine is unloaded; None: never
     idle_since: float | None = None  # IDLE: unix time the engine was unloaded
     idle_freed_bytes: int | None = None  # IDLE: the engine's RSS when it was unloaded
+    switch_to: str | None = None  # a request named this installed model: loaded once the requests in flight end
+    requests_waiting: int = 0  # requests at the endpoint waiting for a switch or for READY
+    requests_in_flight: int = 0  # requests at the endpoint admitted (forwarded, or about to be)
     daemon_pid: int | None = None
     daemon_uptime_s: float = 0.0
     events: tuple[dict[str, Any], ...] = ()  # recent hotplug events, newest last

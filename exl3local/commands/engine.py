@@ -30,7 +30,7 @@ from exl3local.commands.selftest import kernel_notes
 from exl3local.desktop import service
 from exl3local.engine import apikey
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
-from exl3local.models import hub, store
+from exl3local.models import catalog, hub, store
 from exl3local.units import format_bytes, format_duration
 
 DAEMON_START_TIMEOUT_S = 20.0
@@ -45,6 +45,8 @@ def _resolve_model_arg(model: str | None) -> str | None:
     not pulled yet is pulled here first, with the pull's own checks and progress."""
     if model is None:
         return None
+    if catalog.find(model, None) is not None:  # an installed model's name: the daemon's plan resolves it
+        return model
     target = store.parse_argument(model)
     if not isinstance(target, store.ModelRef):
         return str(target.resolve())
@@ -257,6 +259,8 @@ def format_status(st: DaemonStatus) -> str:
         ("engine pid", f"{st.engine_pid}  RSS {format_bytes(st.engine_rss_bytes)}" if st.engine_pid else "-"),
         ("uptime", format_duration(st.uptime_s)),
         ("restarts", str(st.restarts)),
+        ("requests", f"{st.requests_in_flight} in flight, {st.requests_waiting} waiting"
+         + (f"; switching to {st.switch_to} once those in flight end" if st.switch_to else "")),
         ("keep-alive", "never unloaded" if st.keep_alive_s is None else f"unloaded after {format_duration(st.keep_alive_s)} "
          "without a request"),
         ("daemon", f"pid {st.daemon_pid}, up {format_duration(st.daemon_uptime_s)}"),

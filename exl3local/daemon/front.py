@@ -16,7 +16,9 @@ the engine's middleware (engine/cors.py), whose headers pass through unchanged.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -28,9 +30,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from exl3local import errors
-from exl3local.api.protocol import EngineState
+from exl3local.api.protocol import ENGINE_ALIVE, EngineState
 from exl3local.daemon import asgi
+from exl3local.daemon.scheduler import SwitchRefused, UnknownModel
+from exl3local.engine import cors
 from exl3local.engine.launch import VLLM_API_KEY_ENV
+from exl3local.models import catalog
 
 log = logging.getLogger("exl3local.front")
 
@@ -42,11 +47,24 @@ IDLE_TIMEOUT_S = 5.0  # between requests on a keep-alive connection (uvicorn's d
 ENGINE_CONNECT_TIMEOUT_S = 5.0  # a local socket: more is a stuck engine; reads have no limit (long generations)
 
 
-def openai_error(status: int, message: str, kind: str, retry_after_s: int | None = None) -> JSONResponse:
+def openai_error(status: int, message: str, kind: str, retry_after_s: int | None = None,
+                 param: str | None = None) -> JSONResponse:
     """An error in the shape OpenAI clients parse ({"error": {"message", "type", "param", "code"}})."""
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status,
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
                         headers=headers)
+
+
+def requested_model(method: str, body: bytes) -> str | None:
+    """The `model` a JSON request body names (None: none named, or not JSON: vLLM answers for those)."""
+    if method != "POST" or b'"model"' not in body:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) else None
 
 
 class _Forwarded(StreamingResponse):
@@ -84,6 +102,7 @@ class Front:
         self._client: httpx.AsyncClient | None = None
         self._client_uds: str | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._origins: tuple[tuple[str, ...], re.Pattern[str]] | None = None  # the profile's CORS patterns, compiled
         self.app = Starlette(routes=[Route("/{path:path}", self.forward, methods=METHODS)])
 
     async def listen(self, host: str, port: int) -> None:
@@ -148,23 +167,81 @@ class Front:
                                 "service_unavailable", retry_after_s=1 if waiting else None)
         return None
 
+    def _cors(self, request: Request, answer: Response) -> Response:
+        """The front's own answers carry the CORS headers the engine's middleware (engine/cors.py) gives its
+        answers: the same profile patterns, so a browser page reads both alike."""
+        origin = request.headers.get("origin")
+        plan = self.daemon.plan
+        if origin and plan is not None:
+            patterns = tuple(plan.profile.endpoint.get("cors_origins", ()))
+            if self._origins is None or self._origins[0] != patterns:
+                self._origins = (patterns, re.compile(cors.origin_regex(patterns)))
+            if self._origins[1].fullmatch(origin):
+                answer.headers["access-control-allow-origin"] = origin
+                answer.headers["vary"] = "Origin"
+        return answer
+
     async def forward(self, request: Request) -> Response:
+        answer = await self._answer(request)
+        return answer if isinstance(answer, _Forwarded) else self._cors(request, answer)
+
+    async def _answer(self, request: Request) -> Response:
         refused = self._refusal(request)
         if refused is not None:
             return refused
+        if request.method == "GET" and (request.url.path.rstrip("/") == "/v1/models" or
+                                        request.url.path.startswith("/v1/models/")):
+            return await self._models(request.url.path)
+        body = await request.body()
         scheduler = self.daemon.scheduler
-        await scheduler.admit()  # an IDLE engine starts again; the request waits for it
-        refused = self._not_ready()
-        if refused is not None:
-            return refused
-        scheduler.begin()
+        model = requested_model(request.method, body)
         try:
-            return await self._forward(request)
+            # another installed model: the engine switches to it; an IDLE engine starts again; either way the
+            # request waits for READY, and is in flight from here (a switch asked for later waits for it)
+            await scheduler.admit(model)
+        except UnknownModel as exc:
+            return openai_error(404, str(exc), "NotFoundError", param="model")
+        except SwitchRefused as exc:
+            return openai_error(503, str(exc), "service_unavailable", retry_after_s=exc.retry_after_s)
+        try:
+            refused = self._not_ready()
+            if refused is not None:
+                scheduler.end()
+                return refused
+            return await self._forward(request, body)
         except BaseException:
             scheduler.end()
             raise
 
-    async def _forward(self, request: Request) -> Response:
+    async def _models(self, path: str) -> Response:
+        """GET /v1/models: every installed model (the engine knows only its own), marked with which one the
+        engine serves; GET /v1/models/NAME: one of them."""
+        plan = self.daemon.plan
+        found = await asyncio.get_running_loop().run_in_executor(None, catalog.installed, plan.profile)
+        state = EngineState.IDLE if self.daemon.scheduler.idle else EngineState(self.daemon.sup.snapshot()["state"])
+        current = plan.model_dir.resolve()
+        rows = [{"id": m.name, "aliases": list(m.aliases), "source": m.source, "created": m.created,
+                 "current": m.path.resolve() == current} for m in found]
+        if not any(r["current"] for r in rows):  # served from a directory that is not installed (`up DIR`)
+            rows.append({"id": plan.names[0], "aliases": list(plan.names[1:]), "source": "directory",
+                         "created": 0, "current": True})
+        rows.sort(key=lambda r: not r["current"])  # the served model first
+        seen: set[str] = set()  # a name is listed once: the served model's row wins
+        rows = [r for r in rows if not (r["id"] in seen or seen.add(r["id"]))]
+        data = [{"id": r["id"], "object": "model", "created": r["created"], "owned_by": "exl3local",
+                 # loaded: the engine holds (or is loading) it; state: the engine's, for the model it serves
+                 "loaded": r["current"] and state in ENGINE_ALIVE, "state": state.value if r["current"] else None,
+                 "aliases": r["aliases"], "source": r["source"]} for r in rows]
+        name = path.rstrip("/").removeprefix("/v1/models").removeprefix("/")
+        if not name:
+            return JSONResponse({"object": "list", "data": data})
+        one = next((d for d in data if name == d["id"] or name in d["aliases"]), None)
+        if one is None:
+            return openai_error(404, f"the model `{name}` is not installed; installed: "
+                                f"{', '.join(d['id'] for d in data)}", "NotFoundError", param="model")
+        return JSONResponse(one)
+
+    async def _forward(self, request: Request, body: bytes) -> Response:
         """Forward to the engine; the scheduler's end() comes when the answer is over (or failed)."""
         scheduler = self.daemon.scheduler
         spec = self.daemon.plan.spec
@@ -173,7 +250,7 @@ class Front:
         path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
         target = path + (f"?{request.url.query}" if request.url.query else "")
         client = self.engine(spec.uds)
-        upstream = client.build_request(request.method, target, headers=headers, content=await request.body())
+        upstream = client.build_request(request.method, target, headers=headers, content=body)
         try:
             resp = await client.send(upstream, stream=True)
         except httpx.TransportError as exc:

@@ -188,6 +188,9 @@ class Daemon:
         })  # fmt: skip
         st["log_errors"] += self.sup.output_errors
         st["keep_alive_s"] = self.scheduler.keep_alive_s()
+        # a request named another model: the engine switches to it once these requests are done
+        st["switch_to"], st["requests_waiting"] = self.scheduler.switch_to, self.scheduler.waiting
+        st["requests_in_flight"] = self.scheduler.in_flight
         st["idle_since"], st["idle_freed_bytes"] = None, None
         if self.scheduler.idle:
             st.update(state=EngineState.IDLE.value, idle_since=self.scheduler.idle_since,

@@ -21,7 +21,11 @@ def test_the_api_key_is_enforced_at_the_front(box, tiny_models, tmp_path):
     assert httpx.get(url).status_code == 401
     assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
     ok = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"})
-    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "standin"
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == TINY  # the front's own list, served first
+    completion = "http://127.0.0.1:%d/v1/completions" % box.engine_port
+    assert httpx.post(completion, json={"prompt": "x"}).status_code == 401
+    ok = httpx.post(completion, json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and ok.json()["model"] == TINY  # forwarded: the stand-in answered
     assert httpx.get(f"http://127.0.0.1:{box.engine_port}/health").status_code == 200  # open, as in vLLM
     # a browser's CORS preflight carries no key: it reaches the engine (the stand-in has no OPTIONS: 501)
     preflight = httpx.options(url, headers={"Origin": "http://localhost:5173", "Access-Control-Request-Method": "GET"})
@@ -35,7 +39,7 @@ def test_a_stopped_engine_is_a_503_in_openai_shape_and_the_port_stays_held(box, 
     assert "INFO standin: request /v1/a%2Fb?q=%20x" in box.cli("logs", "-n", "50").stdout
     base = f"http://127.0.0.1:{box.daemon_port}/api"
     assert httpx.post(f"{base}/stop", headers={"X-Exl3local-Token": box.token()}, timeout=60).status_code == 200
-    answer = httpx.get(f"http://127.0.0.1:{box.engine_port}/v1/models")
+    answer = httpx.post(f"http://127.0.0.1:{box.engine_port}/v1/completions", json={"model": TINY, "prompt": "x"})
     assert answer.status_code == 503 and "retry-after" not in answer.headers
     error = answer.json()["error"]
     assert error["message"].startswith("the engine is STOPPED") and error["code"] == 503 and error["type"]

@@ -33,11 +33,15 @@ def test_an_idle_engine_is_unloaded_and_the_next_request_wakes_it(box, tiny_mode
     assert idle["idle_freed_bytes"] > 10 * 2**20 and idle["idle_since"] <= time.time()
     text = box.cli("status").stdout
     assert "IDLE since" in text and "freed; the next request starts it" in text and "unloaded after 2s" in text, text
+    # /v1/models is the front's own answer: it lists, and wakes nothing
+    listed = httpx.get(f"http://127.0.0.1:{box.engine_port}/v1/models").json()["data"][0]
+    assert listed["id"] == TINY and listed["state"] == "IDLE" and not listed["loaded"]
     # the next request starts the same engine again and is answered, not refused
     t0 = time.monotonic()
-    models = httpx.get(f"http://127.0.0.1:{box.engine_port}/v1/models", timeout=60)
+    answer = httpx.post(f"http://127.0.0.1:{box.engine_port}/v1/completions", json={"model": TINY, "prompt": "x"},
+                        timeout=60)
     print(f"woken and answered in {time.monotonic() - t0:.1f} s")
-    assert models.status_code == 200 and models.json()["data"][0]["id"] == "standin"
+    assert answer.status_code == 200 and answer.json()["model"] == TINY
     st = box.wait_status(lambda s: s["state"] in ("READY", "IDLE"))
     assert len(box.engines()) == 2 and st["restarts"] == 0
 

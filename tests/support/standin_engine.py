@@ -7,6 +7,9 @@
   STANDIN_LOAD_S: seconds of "loading" before the port is bound (default 0.3).
   GET /chatty prints 256 KiB before answering: an engine whose output is not drained blocks there.
   GET /hang never answers (requests are served on threads: /health still answers meanwhile).
+  POST /v1/completions answers as the served model (the first --served-model-name; 404 in vLLM's shape for
+  a `model` it does not serve); with "stream": true, max_tokens SSE events STANDIN_TOKEN_S apart (default
+  0.05), then [DONE].
 - STANDIN_MODE=crash: prints a traceback tail and exits 1 at start (the same error every start).
 - STANDIN_MODE=crash_varying: the same, with another error message on every start.
 - STANDIN_MODE=hang: prints one line, then nothing, and never serves.
@@ -17,6 +20,8 @@ Each start appends "pid child_pid" to $STANDIN_LOG, so tests count engines and c
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
 import socket
@@ -40,6 +45,8 @@ def main() -> None:
     host = None if uds else argv[argv.index("--host") + 1]
     port = None if uds else int(argv[argv.index("--port") + 1])
     mode = os.environ.get("STANDIN_MODE", "ok")
+    at = argv.index("--served-model-name") + 1 if "--served-model-name" in argv else len(argv)
+    names = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[at:])) or ["standin"]
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     with open(os.environ["STANDIN_LOG"], "a") as log:
         log.write(f"{os.getpid()} {child.pid}\n")
@@ -81,6 +88,27 @@ def main() -> None:
             self.send_response(200 if body is not None else 404)
             self.end_headers()
             self.wfile.write(body or b"")
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+            if self.path != "/v1/completions" or body.get("model", names[0]) not in names:
+                self.send_response(404)
+                self.end_headers()
+                self.wfile.write(json.dumps({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                       "type": "NotFoundError", "param": "model", "code": 404}}).encode())
+                return
+            self.send_response(200)
+            if not body.get("stream"):
+                self.end_headers()
+                self.wfile.write(json.dumps({"model": names[0], "choices": [{"text": "standin"}]}).encode())
+                return
+            self.send_header("content-type", "text/event-stream")
+            self.end_headers()
+            for i in range(int(body.get("max_tokens", 16))):
+                time.sleep(float(os.environ.get("STANDIN_TOKEN_S", "0.05")))
+                self.wfile.write(f"data: {json.dumps({'model': names[0], 'choices': [{'text': str(i)}]})}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
 
         def log_message(self, *args: object) -> None:
             print("INFO standin: request", self.path, flush=True)
