@@ -268,10 +268,7 @@ class CpuLinearKernel(Exl3Kernel):
 
             # Holds the trellis (the key's address stays its own) and fp32 copies of suh/svh.
             bound = self.bound[key] = ops.CpuLinear(trellis, suh, svh, self.spec.bits, self.spec.codebook)
-        y = bound(x.reshape(-1, self.spec.size_k))
-        if bias is not None:
-            y += bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.spec.size_n)
+        return bound(x.reshape(-1, self.spec.size_k), x.dtype, bias).reshape(*x.shape[:-1], self.spec.size_n)
 
 
 # Per device type, best first. On CPU the C++ kernel goes first; without it (no compiler) the reference,

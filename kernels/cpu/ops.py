@@ -28,9 +28,23 @@ GEMV_MAX_ROWS = 8
 GROUPED_UNIT_ROWS = 16
 # fp32 elements of one decoded strip (8 MiB): large enough for an efficient GEMM, small beside the weights.
 STRIP_ELEMENTS = 2 << 20
+# Rows per pass of the GEMM path (a chunked prefill sends up to max_num_batched_tokens): each strip is decoded once
+# per pass, and the workspace stays bounded (u: GEMM_ROWS x k fp32).
+GEMM_ROWS = 512
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
+_local = threading.local()  # the GEMM path's fp32 workspace, per calling thread
+
+
+def _workspace(name: str, numel: int) -> torch.Tensor:
+    """This thread's fp32 buffer `name` with at least numel elements (grown, never shrunk: a bounded, reused
+    workspace instead of per-call allocations)."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    buf = buffers.get(name)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[name] = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -105,33 +119,53 @@ class CpuLinear:
     def path_for(self, rows: int) -> str:
         return "gemv" if rows <= GEMV_MAX_ROWS else "gemm"
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (m, k) -> y (m, n), fp32."""
-        x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (m, k) -> y (m, n) in out_dtype (computed in fp32, + bias, then cast)."""
         m = x.shape[0]
         threads = torch.get_num_threads()
+        if m > GEMV_MAX_ROWS:
+            return self._gemm(x, out_dtype, bias, threads)
+        x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
         y = torch.empty(m, self.size_n, dtype=torch.float32)
-        if m == 0:
-            return y
-        u = torch.empty(m, self.size_k, dtype=torch.float32)
-        if m <= GEMV_MAX_ROWS:
+        if m:
+            u = torch.empty(m, self.size_k, dtype=torch.float32)
             self.lib.exl3_cpu_gemv(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
                                    self.lut_ptr, x.data_ptr(), self.suh.data_ptr(), self.svh.data_ptr(), u.data_ptr(),
                                    y.data_ptr(), m, threads)
-            return y
-        self.lib.exl3_cpu_input_transform(x.data_ptr(), self.suh.data_ptr(), u.data_ptr(), m, self.size_k, threads)
-        strip_tiles = max(8, (STRIP_ELEMENTS // self.size_k) // 128 * 8)
-        strip = torch.empty(self.size_k * min(self.size_n, 16 * strip_tiles), dtype=torch.float32)
-        for tn0 in range(0, self.tiles_n, strip_tiles):
-            tn1 = min(self.tiles_n, tn0 + strip_tiles)
-            w = strip[: self.size_k * 16 * (tn1 - tn0)].view(self.size_k, 16 * (tn1 - tn0))
-            self.decode_into(w, tn0, tn1, threads)
-            if tn1 - tn0 == self.tiles_n:
+        if bias is not None:
+            y += bias.float()
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+    def _gemm(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+        """Up to GEMM_ROWS rows per pass: u = H(x ⊙ suh) in the workspace, then per strip of columns Ŵ decoded once,
+        one BLAS matmul, the output transform, and the strip cast into the output. Every fp32 intermediate lives
+        in this thread's workspace, so a prefill leaves no large freed buffers behind (the heap would keep them)."""
+        k, n = self.size_k, self.size_n
+        out = torch.empty(x.shape[0], n, dtype=out_dtype)
+        strip_tiles = max(8, (STRIP_ELEMENTS // k) // 128 * 8)
+        cols = 16 * min(self.tiles_n, strip_tiles)
+        bias = bias.float() if bias is not None else None
+        for r0 in range(0, x.shape[0], GEMM_ROWS):
+            rows = min(GEMM_ROWS, x.shape[0] - r0)
+            u = _workspace("u", rows * k).view(rows, k)
+            u.copy_(x[r0 : r0 + rows])
+            self.lib.exl3_cpu_input_transform(u.data_ptr(), self.suh.data_ptr(), u.data_ptr(), rows, k, threads)
+            w_all = _workspace("strip", k * cols)
+            y_all = _workspace("y", rows * cols)
+            for tn0 in range(0, self.tiles_n, strip_tiles):
+                tn1 = min(self.tiles_n, tn0 + strip_tiles)
+                width = 16 * (tn1 - tn0)
+                w = w_all[: k * width].view(k, width)
+                self.decode_into(w, tn0, tn1, threads)
+                y = y_all[: rows * width].view(rows, width)
                 torch.mm(u, w, out=y)
-            else:
-                y[:, 16 * tn0 : 16 * tn1] = torch.mm(u, w)
-        self.lib.exl3_cpu_output_transform(y.data_ptr(), self.svh.data_ptr(), y.data_ptr(), m, self.size_n, threads)
-        return y
+                self.lib.exl3_cpu_output_transform(y.data_ptr(), self.svh[16 * tn0 :].data_ptr(), y.data_ptr(), rows,
+                                                   width, threads)
+                if bias is not None:
+                    y += bias[16 * tn0 : 16 * tn1]
+                out[r0 : r0 + rows, 16 * tn0 : 16 * tn1] = y
+        return out
 
     def decode_into(self, out: torch.Tensor, tn0: int, tn1: int, threads: int | None = None) -> None:
         """Ŵ[:, 16*tn0 : 16*tn1] into `out` (k, 16*(tn1-tn0)) fp32, contiguous."""

@@ -50,6 +50,21 @@ def test_both_paths_match_the_reference(tier, codebook, bits, rows):
     torch.testing.assert_close(got, reference.linear(x, trellis, suh, svh, bits, codebook), rtol=1e-5, atol=1e-5)
 
 
+def test_gemm_path_in_row_passes_and_strips_with_bias(monkeypatch):
+    """More rows than one pass (GEMM_ROWS) and more columns than one strip: every piece lands in its place, the
+    bias is added in fp32 and a bf16 output is the fp32 result cast once."""
+    monkeypatch.setattr(ops, "GEMM_ROWS", 16)
+    monkeypatch.setattr(ops, "STRIP_ELEMENTS", 384 * 128)  # 128-column strips: two of them
+    trellis, suh, svh = _layer(384, 256, 4, "mul1")
+    lin = ops.CpuLinear(trellis, suh, svh, 4, "mul1")
+    x = torch.randn(40, 384, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(256).half()
+    got = lin(x, torch.float32, bias)
+    torch.testing.assert_close(got, reference.linear(x, trellis, suh, svh, 4, "mul1", bias), rtol=1e-5, atol=1e-5)
+    xb = x.bfloat16()
+    assert torch.equal(lin(xb, torch.bfloat16, bias), lin(xb, torch.float32, bias).bfloat16())
+
+
 def test_kernel_through_dispatch_handles_dtype_lead_dims_bias_and_strides():
     trellis, suh, svh = _layer(256, 128, 4, "mul1")
     kernel = prepare(KernelSpec(256, 128, 4, "mul1", torch.bfloat16, has_bias=True), "cpu")
