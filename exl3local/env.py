@@ -43,6 +43,11 @@ KERNEL_SELFTEST = EnvVar(
     "check each EXL3 kernel against the reference before a layer uses it: auto (all but Triton's CPU interpreter), "
     "1 (that too), 0 (none)",
 )
+TILED_MAX_ROWS = EnvVar(
+    "EXL3LOCAL_TILED_MAX_ROWS", "16",
+    "Triton: rows up to which EXL3 linears decode on chip in 64-row tiles instead of rebuilding fp16 weights per call "
+    "(16 or less: off; unmeasured, see docs/PERF.md)",
+)
 # Triton's own switch, read here so kernel choice knows Triton will run in its CPU interpreter (CI).
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's: run Triton kernels in its CPU interpreter")
 
@@ -75,5 +80,5 @@ CORS_ORIGINS = EnvVar(
 ALL: tuple[EnvVar, ...] = (
     HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, HANG_TIMEOUT, API_IDLE_TIMEOUT, API_KEY_FILE, API_KEY,
     ENGINE_PARENT, CORS_ORIGINS, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, KERNEL_SELFTEST,
-    TRITON_INTERPRET,
+    TILED_MAX_ROWS, TRITON_INTERPRET,
 )

@@ -7,110 +7,46 @@ no Triton argument binding.
     y = layer(x)                                                  # (..., in_features) -> (..., Σ out_features)
     proj = bind_moe(trellis, suh, svh, bits, codebook)            # MoE: triton_moe.moe_decode(..., bound=proj)
 
-Launching (DirectLaunch): the first call per argument signature (dtypes, pointer alignment, the ints the
-kernel specialises on) goes through Triton's JIT, which compiles and returns the compiled kernel; later
-calls hand its launcher the argument list directly, pointers as ints. Ints that change per call are marked
-do_not_specialize in the kernels. Under TRITON_INTERPRET=1 (or with Triton's launch hooks set, e.g. by a
-profiler) every call goes through Triton's own launch path.
+Rows: up to MAX_ROWS one 16-row dot tile (the FMA ring kernel for one row at FMA_ONE_ROW_BITS); above, with
+EXL3LOCAL_TILED_MAX_ROWS set, the same fused kernel with TILE_ROWS-row tiles (triton_gemv.tiled_config: each
+weight decoded once per 64 rows, never written out), up to that many rows; more rows leave the bound launches
+(BoundLinear.unfused: the kernels' apply, i.e. the fp16 reconstruct path).
 
-Scratch: the input transform's output u, the split-K partials and the per-block counters live in one
-workspace per (device, stream), shared by every bound projection on that stream (calls on one stream run
-in order). Counters start at zero and each launch's last program resets its own. A workspace that is
-outgrown is kept allocated, not freed: a CUDA graph captured earlier may still point at it.
+Launching and scratch: kernels/launcher.py (DirectLaunch, Workspace).
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import triton
 
+from exl3local import env
 from exl3local.kernels import selftest
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, HADAMARD_SCALE
+from exl3local.kernels.launcher import DirectLaunch, Workspace
 from exl3local.kernels.triton_decode import rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel
-from exl3local.kernels.triton_gemv import FMA_ONE_ROW_BITS, choose_splits, exl3_gemv_ring_kernel, ring_config, ring_dot_config
+from exl3local.kernels.triton_gemv import (
+    FMA_ONE_ROW_BITS, TILE_ROWS, TILED_PROGRAMS_PER_CORE, choose_splits, exl3_gemv_ring_kernel, ring_config, ring_dot_config,
+    tiled_config,
+)
 from exl3local.kernels.triton_hadamard import NATURAL, _input_kernel, hadamard_operands, rows_per_program
 
 # Fused layers wider than this many 128-column blocks keep a launch pair per part: on the H200 one grid lost at
 # 272 blocks (27B gate_up, 2 x 17408: 169 vs 132 µs at M = 1) and won at 128 and below (27B in_proj_qkvz 65 vs
 # 72 µs, q/k/v 57 vs 84; docs/PERF.md "Model step"); between them is unmeasured.
 GROUP_MAX_BLOCKS = 256
-MAX_ROWS = 16  # one dot tile of rows; more rows go to the reconstruct path (dispatch.GEMV_MAX_ROWS)
+MAX_ROWS = 16  # one dot tile of rows; more rows go to the tiled path if on, else the reconstruct path
 BLOCK_N = FUSED_BLOCK_N_TILES * 16
 
 
-class Workspace:
-    """u (fp16), split-K partials (fp32) and block counters (int32, zeroed) for one (device, stream)."""
-
-    _live: dict[tuple[torch.device, int], Workspace] = {}
-    _retired: list[Workspace] = []  # outgrown, kept allocated for graphs captured against them
-
-    def __init__(self, device: torch.device, inputs: int, partials: int, counters: int) -> None:
-        self.inputs = torch.empty(max(inputs, 1), dtype=torch.float16, device=device)
-        self.partials = torch.empty(max(partials, 1), dtype=torch.float32, device=device)
-        self.counters = torch.zeros(max(counters, 1), dtype=torch.int32, device=device)
-        self.inputs_ptr, self.partials_ptr = self.inputs.data_ptr(), self.partials.data_ptr()
-        self.counters_ptr = self.counters.data_ptr()
-        self.sizes = (self.inputs.numel(), self.partials.numel(), self.counters.numel())
-
-    def holds(self, inputs: int, partials: int, counters: int) -> bool:
-        return self.sizes[0] >= inputs and self.sizes[1] >= partials and self.sizes[2] >= counters
-
-    @classmethod
-    def get(cls, device: torch.device, stream: int, inputs: int, partials: int, counters: int) -> Workspace:
-        ws = cls._live.get((device, stream))
-        if ws is not None and ws.holds(inputs, partials, counters):
-            return ws
-        if ws is not None:
-            cls._retired.append(ws)
-            inputs = max(inputs, ws.inputs.numel())
-            partials = max(partials, ws.partials.numel())
-            counters = max(counters, ws.counters.numel())
-        ws = cls._live[(device, stream)] = Workspace(device, inputs, partials, counters)
-        return ws
-
-
-def hooked(hook) -> bool:
-    """Whether a Triton launch hook is set: None or an empty HookChain (Triton >= 3.6) is not."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-class DirectLaunch:
-    """One Triton kernel launched with its compiled launcher once compiled (see the module doc)."""
-
-    def __init__(self, fn, varying: tuple[str, ...], interpret: bool, **options) -> None:
-        self.fn = fn
-        self.names = tuple(inspect.signature(fn.fn).parameters)
-        self.varying = varying
-        self.slots = [self.names.index(name) for name in varying]
-        self.options = options
-        self.compiled: dict[tuple, tuple] = {}
-        # Triton's launch hooks (profilers) run only through its own path; a Triton without `knobs` always takes
-        # it (nothing is ever put in `compiled`), and so does the interpreter.
-        self.hooks = None if interpret else getattr(getattr(triton, "knobs", None), "runtime", None)
-
-    def __call__(self, grid: tuple[int, int, int], stream: int, key: tuple, fixed: dict, tensors: tuple,
-                 values: tuple) -> None:
-        """Launch with `fixed` (the same for every call with this key) and the per-call arguments named by
-        `varying`: as tensors and ints (`tensors`, for Triton's path) and as addresses and ints (`values`)."""
-        entry = self.compiled.get(key)
-        hooks = self.hooks
-        if entry is None or hooked(hooks.launch_enter_hook) or hooked(hooks.launch_exit_hook):
-            args = dict(fixed, **dict(zip(self.varying, tensors)))
-            kernel = self.fn[grid](**args, **self.options)
-            if hooks is not None and hasattr(kernel, "packed_metadata") and \
-                    len(getattr(kernel.src, "signature", ())) == len(self.names):
-                template = [args[name] for name in self.names]
-                template = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in template]
-                self.compiled[key] = (kernel, template)
-            return
-        kernel, template = entry
-        args = template.copy()
-        for slot, value in zip(self.slots, values):
-            args[slot] = value
-        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+def tiled_max_rows() -> int:
+    """Rows up to which bound launches serve a call, TILE_ROWS-row tiles above MAX_ROWS (EXL3LOCAL_TILED_MAX_ROWS;
+    MAX_ROWS or less, the default: the tiled path is off and more rows take the reconstruct path)."""
+    try:
+        return max(MAX_ROWS, int(env.TILED_MAX_ROWS.get()))
+    except ValueError:
+        return MAX_ROWS
 
 
 INPUT_VARYING = ("x_ptr", "ids_ptr", "u_ptr", "M", "stride_xm")
@@ -142,6 +78,11 @@ class FusedLaunch:
         self.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, plain, num_warps=num_warps, num_stages=1)
         self.fma = None if experts or bits not in FMA_ONE_ROW_BITS else DirectLaunch(exl3_gemv_ring_kernel,
                                                                                       FMA_VARYING, plain)
+        # More than MAX_ROWS rows (not MoE units): the same kernel with TILE_ROWS-row tiles, own warps and KT.
+        self.max_rows = MAX_ROWS if experts else tiled_max_rows()
+        tile_kt, tile_warps = tiled_config(bits)
+        self.tiled = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, plain, num_warps=tile_warps, num_stages=1) \
+            if self.max_rows > MAX_ROWS else None
         # Keep the bound tensors referenced: the compiled argument lists hold only their addresses.
         self.input_fixed = dict(suh_ptr=suh, had_ptr=hadamard_operands(self.device)[NATURAL.value],
                                 size_k=self.size_k, HAS_IDS=experts, SCALE=HADAMARD_SCALE, PAIRS=False, GLU=False)
@@ -153,8 +94,10 @@ class FusedLaunch:
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
+        self.tiled_fixed = dict(self.fused_fixed, BM=TILE_ROWS, KT=tile_kt, k_steps=self.size_k // 16 // tile_kt)
         self.bits = bits
         self.splits: dict[int, tuple[int, int]] = {}
+        self.tiled_splits: dict[int, tuple[int, int]] = {}
         self.plans: dict[tuple, tuple] = {}
         self.stream = (lambda: 0) if interpret else self._stream_getter()
 
@@ -171,6 +114,20 @@ class FusedLaunch:
             split = self.splits[m_blocks] = (splits, self.k_steps // splits)
         return split
 
+    def tiled_split_for(self, m_blocks: int) -> tuple[int, int]:
+        """(splits, K steps per split) of the tiled path for m_blocks row tiles."""
+        split = self.tiled_splits.get(m_blocks)
+        if split is None:
+            steps = self.tiled_fixed["k_steps"]
+            splits = choose_splits(m_blocks * self.n_blocks, steps, self.device, TILED_PROGRAMS_PER_CORE)
+            split = self.tiled_splits[m_blocks] = (splits, steps // splits)
+        return split
+
+    def tiled_grid(self, rows: int) -> tuple[int, int, int]:
+        """(column blocks, splits, row tiles) of the tiled path for `rows` rows."""
+        m_blocks = -(-rows // TILE_ROWS)
+        return self.n_blocks, self.tiled_split_for(m_blocks)[0], m_blocks
+
     def fma_split(self) -> tuple[int, int, int]:
         """(column blocks, splits, BNT) of the one-row FMA kernel."""
         _, block_nt = ring_config(1, self.bits)
@@ -179,6 +136,9 @@ class FusedLaunch:
 
     def needs(self, rows: int) -> tuple[int, int, int]:
         """Workspace elements (inputs, partials, counters) for `rows` rows (units)."""
+        if rows > MAX_ROWS and not self.experts:
+            blocks, splits, m_blocks = self.tiled_grid(rows)
+            return rows * self.size_k, splits * rows * self.size_n, blocks * m_blocks
         m_blocks = rows if self.experts else -(-rows // MAX_ROWS)
         splits, _ = self.split_for(m_blocks)
         blocks = m_blocks * self.n_blocks
@@ -187,18 +147,28 @@ class FusedLaunch:
             splits, blocks = max(splits, fma_splits), max(blocks, fma_blocks)
         return rows * self.size_k, splits * rows * self.size_n, blocks
 
-    def reserve(self, rows: int = MAX_ROWS) -> None:
-        """Size the current stream's workspace for `rows` rows (units) now, before any graph capture."""
-        Workspace.get(self.device, self.stream(), *self.needs(rows))
+    def reserve(self, rows: int | None = None) -> None:
+        """Size the current stream's workspace for up to `rows` rows (units; default: the most this launch serves)
+        now, before any graph capture."""
+        stream = self.stream()
+        for r in {rows or MAX_ROWS, rows or self.max_rows}:
+            Workspace.get(self.device, stream, *self.needs(r))
 
     def _plan(self, key: tuple) -> tuple:
         """Grids, workspace needs and the fixed arguments of both launches for one call signature."""
         rows, _, _, _, _, x_div, k_valid, n_out, _, pairs, glu = key
+        if not self.experts and rows > self.max_rows:
+            raise ValueError(f"{rows} rows: more than this launch serves ({self.max_rows}, EXL3LOCAL_TILED_MAX_ROWS)")
         m_blocks = rows if self.experts else 1
         splits, per_split = self.split_for(m_blocks)
         block_m = rows_per_program(rows)
         input_fixed = dict(self.input_fixed, x_div=x_div, k_valid=k_valid, BM=block_m, PAIRS=pairs, GLU=glu)
-        if rows == 1 and self.fma is not None and not pairs:
+        if rows > MAX_ROWS and not self.experts:
+            blocks, splits, m_blocks = self.tiled_grid(rows)
+            per_split = self.tiled_fixed["k_steps"] // splits
+            matmul = (self.tiled, (blocks, splits, m_blocks),
+                      dict(self.tiled_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs))
+        elif rows == 1 and self.fma is not None and not pairs:
             blocks, splits, block_nt = self.fma_split()
             matmul = (self.fma, (blocks, splits, 1),
                       dict(self.fma_fixed, n_out=n_out, tk_per_split=self.size_k // 16 // splits, BM=1, BNT=block_nt))
@@ -229,7 +199,7 @@ class FusedLaunch:
         x_stride, y_stride, stride_zs = x.stride(0), y.stride(0), rows * self.size_n
         self.input(input_grid, stream, key, input_fixed, (x, ids_, ws.inputs, rows, x_stride),
                    (x_ptr, ids_ptr, u_ptr, rows, x_stride))
-        if matmul is self.fused:
+        if matmul is not self.fma:
             matmul(grid, stream, key, fixed, (ws.inputs, ids_, y, ws.partials, ws.counters, rows, y_stride, stride_zs),
                    (u_ptr, ids_ptr, y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs))
         else:
@@ -266,22 +236,35 @@ class GroupLaunch(FusedLaunch):
             cols += tiles_n * 16
             out_start += out
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
-        self.part_ids = torch.arange(MAX_ROWS * self.count, device=device, dtype=torch.int32) % self.count
+        self.part_ids = torch.arange(self.max_rows * self.count, device=device, dtype=torch.int32) % self.count
         self.input_fixed = dict(self.input_fixed, suh_ptr=self.suh, HAS_IDS=True)
-        self.fused_fixed = dict(self.fused_fixed, tiles_n=self.size_n // 16, parts_ptr=self.table, PARTS=self.count)
+        grouped = dict(tiles_n=self.size_n // 16, parts_ptr=self.table, PARTS=self.count)
+        self.fused_fixed = dict(self.fused_fixed, **grouped)
+        self.tiled_fixed = dict(self.tiled_fixed, **grouped)
 
     def needs(self, rows: int) -> tuple[int, int, int]:
+        if rows > MAX_ROWS:
+            blocks, splits, m_blocks = self.tiled_grid(rows)
+            return rows * self.count * self.size_k, splits * rows * self.size_n, blocks * m_blocks
         splits, _ = self.split_for(1)
         return rows * self.count * self.size_k, splits * rows * self.size_n, self.n_blocks
 
     def _plan(self, key: tuple) -> tuple:
         rows, _, _, _, _, _, k_valid, _, _, _, _ = key
-        splits, per_split = self.split_for(1)
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} rows: more than this launch serves ({self.max_rows}, EXL3LOCAL_TILED_MAX_ROWS)")
         units = rows * self.count
         block_m = rows_per_program(units)
         input_fixed = dict(self.input_fixed, x_div=self.count, k_valid=k_valid, BM=block_m)
-        matmul = (self.fused, (self.n_blocks, splits, 1),
-                  dict(self.fused_fixed, n_out=0, steps_per_split=per_split, SPLIT=splits > 1))
+        if rows > MAX_ROWS:
+            blocks, splits, m_blocks = self.tiled_grid(rows)
+            matmul = (self.tiled, (blocks, splits, m_blocks),
+                      dict(self.tiled_fixed, n_out=0, steps_per_split=self.tiled_fixed["k_steps"] // splits,
+                           SPLIT=splits > 1))
+        else:
+            splits, per_split = self.split_for(1)
+            matmul = (self.fused, (self.n_blocks, splits, 1),
+                      dict(self.fused_fixed, n_out=0, steps_per_split=per_split, SPLIT=splits > 1))
         plan = ((-(-units // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul)
         self.plans[key] = plan
         return plan
@@ -325,7 +308,7 @@ def group_launch(parts, bias: torch.Tensor | None = None) -> GroupLaunch | None:
 class BoundLinear:
     """A whole EXL3 linear with its tensors bound: x (..., in_features) -> (..., sum of out_features).
 
-    Parts (fused vLLM layers: q/k/v, gate/up) share x, each with its own suh and bits. Up to MAX_ROWS rows,
+    Parts (fused vLLM layers: q/k/v, gate/up) share x, each with its own suh and bits. Up to max_rows rows,
     parts at one rate in one allocation run as one GroupLaunch (two launches for the whole layer); otherwise
     every part is two launches writing its columns of the output in place: x's padding to k and the
     output's trim to out_features are masks in the kernels, the bias is added in the epilogue. More rows,
@@ -339,6 +322,7 @@ class BoundLinear:
         self.out_features = sum(part[4] for part in self.parts)
         self.bias = bias
         self.launches = None
+        self.max_rows = MAX_ROWS
         group = None
         if all(kernel.backend == "triton" for kernel, *_ in self.parts):
             group = group_launch(self.parts, bias)
@@ -352,16 +336,19 @@ class BoundLinear:
                 launch = FusedLaunch(trellis, suh, svh, kernel.spec.bits, kernel.spec.codebook, bias=part_bias)
                 self.launches.append((launch, start, out))
                 start += out
+        if self.launches:
+            self.max_rows = min(launch.max_rows for launch, _, _ in self.launches)
 
-    def reserve(self, rows: int = MAX_ROWS) -> None:
-        """Size the current stream's workspace for this layer (before graph capture)."""
+    def reserve(self, rows: int | None = None) -> None:
+        """Size the current stream's workspace for this layer (before graph capture; default: every row count
+        its launches serve)."""
         for launch, _, _ in self.launches or ():
             launch.reserve(rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         rows = x2d.shape[0]
-        if self.launches is None or not 0 < rows <= MAX_ROWS:
+        if self.launches is None or not 0 < rows <= self.max_rows:
             return self.unfused(x)
         if x2d.stride(-1) != 1:
             x2d = x2d.contiguous()

@@ -35,7 +35,7 @@ ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class KernelPath(enum.StrEnum):
     """Every path an EXL3 matmul can take. Closed: the trace and the dashboard key on these names."""
 
-    GEMV = "gemv"  # decode in registers, few rows
+    GEMV = "gemv"  # decode in registers: 16-row tiles, and 64-row tiles up to EXL3LOCAL_TILED_MAX_ROWS
     RECONSTRUCT_GEMM = "reconstruct_gemm"  # decode the dense weight once per call, then a torch matmul
     MOE_DECODE = "moe_decode"  # grouped (token, expert) units, one launch per projection
     MOE_VERIFY = "moe_verify"  # a few tokens (speculative verify) through the grouped kernel
@@ -141,9 +141,10 @@ class TorchReferenceKernel(Exl3Kernel):
 # Row-count crossover of TritonLinearKernel, measured on the H200 by bench/kernels.py (docs/PERF.md);
 # unmeasured on Arc, where the same constant is a first guess.
 GEMV_MAX_ROWS = 16  # one 16-row dot tile: triton_fused, one launch per projection
-# From 17 rows the dense W_r once per call + vendor matmul (triton_gemm) serves: row tiles decoded on chip
-# (gemv with a 32/64-row tile) lost to it at every M >= 32 measured (5120x17408: 274 vs 209 µs at M=32,
-# 492 vs 207 at 64, 841 vs 208 at 128; docs/perf/h200-v3-bench.log).
+# From 17 rows the dense W_r once per call + vendor matmul (triton_gemm) serves by default: row tiles decoded on
+# chip (gemv with a 32/64-row tile at 4 warps) lost to it at every M >= 32 measured (5120x17408: 274 vs 209 µs at
+# M=32, 492 vs 207 at 64, 841 vs 208 at 128; docs/perf/h200-v3-bench.log). The tiled path (bound.py: 64-row tiles
+# at 8 warps, split-K for occupancy) serves up to EXL3LOCAL_TILED_MAX_ROWS rows when set; unmeasured, so off.
 
 
 class TritonLinearKernel(Exl3Kernel):
@@ -157,6 +158,9 @@ class TritonLinearKernel(Exl3Kernel):
         # apply()'s tensors bound once per distinct set (a layer passes the same views every call); the
         # launch holds the tensors, so a cached address cannot be reused by another tensor.
         self.bound: dict[tuple, object] = {}
+        from exl3local.kernels.bound import tiled_max_rows
+
+        self.max_rows = tiled_max_rows()  # the bound launches' last row count (GEMV_MAX_ROWS: tiled path off)
 
     @classmethod
     def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
@@ -174,7 +178,7 @@ class TritonLinearKernel(Exl3Kernel):
         return None
 
     def path_for(self, rows: int) -> KernelPath:
-        return KernelPath.GEMV if rows <= GEMV_MAX_ROWS else KernelPath.RECONSTRUCT_GEMM
+        return KernelPath.GEMV if rows <= self.max_rows else KernelPath.RECONSTRUCT_GEMM
 
     def apply(self, x, trellis, suh, svh, bias=None):
         from exl3local.kernels import triton_gemm

@@ -7,6 +7,8 @@ Checks of the Triton kernel (any exception, a compile error included, is a failu
     gemv_split_k      the same with split-K forced over a NaN-filled workspace: a partial read before its
                       store → barrier → acq_rel handshake completed shows up as NaN (or as a wrong sum)
     gemv_one_row      one row (the FMA ring kernel at FMA_ONE_ROW_BITS), split-K over NaN as well
+    gemv_tiled        only with EXL3LOCAL_TILED_MAX_ROWS on: 17 rows through the 64-row tiled launch, split-K
+                      over NaN as well (a failure refuses the whole Triton kernel, as any check does)
     reconstruct_gemm  the dense W_r + vendor matmul path (more than GEMV_MAX_ROWS rows)
     moe_decode        grouped (token, expert) units through one launch per projection, over NaN
     bound_direct      the bound launcher's direct call (Triton's compiled-kernel ABI) against Triton's own
@@ -211,6 +213,25 @@ def _check_gemv(bits, codebook, device, shape, rows: int, split: bool, dtype: to
     return ok, err, us, why
 
 
+def _check_tiled(bits, codebook, device, shape, dtype: torch.dtype = torch.float16):
+    from exl3local.kernels.bound import MAX_ROWS
+
+    rows = MAX_ROWS + 1  # one 64-row tile, its last 47 rows masked
+    trellis, suh, svh = _layer(*shape, bits, codebook, device, seed=12)
+    x = _randn(rows, shape[0], seed=13).to(dtype).to(device)
+    launch = _split_launch(trellis, suh, svh, bits, codebook)
+    steps, splits = launch.tiled_fixed["k_steps"], 1
+    while splits < SIZES[kind(device)][1] and steps % (splits * 2) == 0:
+        splits *= 2
+    launch.tiled_splits[1] = (splits, steps // splits)
+    _nan_workspace(launch, rows)
+    y = torch.empty(rows, shape[1], dtype=x.dtype, device=device)
+    _, us = _timed(lambda: launch.launch(x, y, rows), device)
+    expected = reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), bits, codebook)
+    ok, err, why = _compare(y, expected, launch)
+    return ok, err, us, why
+
+
 def _check_reconstruct(bits, codebook, device, shape, dtype: torch.dtype = torch.float16):
     from exl3local.kernels.dispatch import GEMV_MAX_ROWS
     from exl3local.kernels.triton_gemm import reconstruct_gemm
@@ -277,6 +298,10 @@ def triton_checks(device: torch.device, dtype: torch.dtype = torch.float16) -> d
         "reconstruct_gemm": lambda b, c, d, s: _check_reconstruct(b, c, d, s, dtype),
         "moe_decode": _check_moe,
     }
+    from exl3local.kernels.bound import MAX_ROWS, tiled_max_rows
+
+    if tiled_max_rows() > MAX_ROWS:  # opt-in path: checked where it is on
+        checks["gemv_tiled"] = lambda b, c, d, s: _check_tiled(b, c, d, s, dtype)
     if not _interpreted(device):
         checks["bound_direct"] = lambda b, c, d, s: _check_direct(b, c, d, s, dtype)
     return checks

@@ -54,6 +54,23 @@ def ring_dot_config(bits: float) -> tuple[int, int, int]:
     return RING_DOT_CONFIGS[lanes_per_superlane(bits)]
 
 
+# The tiled path (more than 16 rows, kernels/bound.py; opt-in until measured): the same fused kernel with 64-row
+# dot tiles, so each weight is decoded once per 64 rows instead of being rebuilt in fp16 per call. 8 warps: at 64
+# rows 4 warps needed 196 registers per thread (local sm_90 compile, Triton 3.9: 2 programs, 8 warps per SM),
+# 8 warps 114 (K4), 128 (K2/3/6/8). KT = G tile rows per step, so one position's [KT, 8, 32/G] decode covers the
+# 256 threads; half rates (G = 8) stop at KT = 4 (KT = 8 took 254 registers, 4 takes 189: one program per SM).
+# Split-K aims at TILED_PROGRAMS_PER_CORE programs per compute unit (what fits at that register count on
+# sm_90) rather than 4.5: every extra split adds rows·n fp32 of partials. All unmeasured (PERF.md, issue 21 note).
+TILE_ROWS = 64
+TILED_WARPS = 8
+TILED_PROGRAMS_PER_CORE = 2.0
+
+
+def tiled_config(bits: float) -> tuple[int, int]:
+    """(KT, warps) of the fused kernel at TILE_ROWS rows for this rate."""
+    return min(lanes_per_superlane(bits), 4), TILED_WARPS
+
+
 @functools.lru_cache(maxsize=8)
 def compute_units(device: torch.device) -> int:
     """Streaming multiprocessors / Xe cores: how many programs run at once, for split-K."""
@@ -65,9 +82,10 @@ def compute_units(device: torch.device) -> int:
     return 1  # the interpreter: few programs keep CI fast (tests force split-K explicitly)
 
 
-def choose_splits(blocks: int, k_steps: int, device: torch.device) -> int:
-    """Smallest power-of-two split of the K loop (dividing k_steps) that reaches the program target."""
-    target = SPLIT_TARGET_PROGRAMS_PER_CORE * compute_units(device)
+def choose_splits(blocks: int, k_steps: int, device: torch.device,
+                  per_core: float = SPLIT_TARGET_PROGRAMS_PER_CORE) -> int:
+    """Smallest power-of-two split of the K loop (dividing k_steps) that reaches per_core programs per unit."""
+    target = per_core * compute_units(device)
     splits = 1
     while blocks * splits < target and k_steps % (splits * 2) == 0:
         splits *= 2

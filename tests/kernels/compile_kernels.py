@@ -104,6 +104,13 @@ def main() -> None:
             compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
                         dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt,
                              PARTS=parts, PAIRS=has_ids), num_warps=warps, num_stages=1)
+        # the tiled path (more than 16 rows): 64-row tiles, its own KT and warps; grouped parts once
+        tile_kt, tile_warps = triton_gemv.tiled_config(bits)
+        for parts in ((0, 3) if bits == 4 else (0,)):
+            compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
+                        dict(rate, HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE,
+                             BM=triton_gemv.TILE_ROWS, KT=tile_kt, PARTS=parts, PAIRS=False),
+                        num_warps=tile_warps, num_stages=1)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,
                     dict(rate, BM=block_m, BNT=block_nt, EPILOGUE=True, HAS_BIAS=True, SCALE=HADAMARD_SCALE))

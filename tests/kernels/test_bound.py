@@ -87,6 +87,62 @@ def test_more_rows_than_a_tile_take_the_reconstruct_path(make_layer, kernel_devi
     assert torch.equal(layer(x), kernel.apply(x, trellis, suh, svh))
 
 
+@pytest.mark.parametrize("codebook,bits,rows,splits", [("mul1", 4, 20, 2), ("3inst", 3, 70, 1), ("mul1", 2.5, 17, 2)])
+def test_tiled_rows_match_emulation(monkeypatch, make_layer, emulate, relative_error, kernel_device, codebook, bits,
+                                    rows, splits):
+    """More than 16 rows with the tiled path on: 64-row tiles (70 rows: two, the second masked), KT = G tile rows
+    per step, split-K on and off; the counters of every (row tile, column block) reset."""
+    from exl3local.kernels.triton_gemv import TILE_ROWS
+
+    monkeypatch.setenv("EXL3LOCAL_TILED_MAX_ROWS", "128")
+    trellis, suh, svh = make_layer(256, 256, bits, codebook, seed=3)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(4)).to(kernel_device)
+    launch = FusedLaunch(trellis, suh, svh, bits, codebook)
+    launch.tiled_splits[-(-rows // TILE_ROWS)] = (splits, launch.tiled_fixed["k_steps"] // splits)
+    y = torch.empty(rows, 256, device=kernel_device)
+    launch.launch(x, y, rows)
+    assert relative_error(y, emulate(x, trellis, suh, svh, bits, codebook)) < FP32_NOISE
+    assert counters_clear()
+
+
+def test_tiled_path_serves_grouped_layers_up_to_its_row_limit(monkeypatch, relative_error, kernel_device):
+    """A fused two-part layer (padding, trim, bias) at 20 rows runs as one grouped tiled grid, equal to the per-part
+    launches; above EXL3LOCAL_TILED_MAX_ROWS the layer takes the reconstruct path, and so says path_for."""
+    from exl3local.kernels.bound import GroupLaunch
+    from exl3local.kernels.dispatch import KernelPath
+
+    monkeypatch.setenv("EXL3LOCAL_TILED_MAX_ROWS", "32")
+    in_features, k, widths, outs = 100, 128, (256, 128), (200, 128)
+    g = torch.Generator().manual_seed(22)
+    words = reference.words_per_tile(4)
+    sizes = [(k // 16) * (n // 16) * words for n in widths]
+    arena = torch.randint(-32768, 32768, (sum(sizes),), generator=g, dtype=torch.int16).to(kernel_device)
+    suh = (torch.randn(2, k, generator=g) * 0.05).half().to(kernel_device)
+    svh = (torch.randn(sum(widths), generator=g) * 0.05).half().to(kernel_device)
+    bias = torch.randn(sum(outs), generator=g).to(kernel_device)
+    parts, t0, n0 = [], 0, 0
+    for i, (n, size, out) in enumerate(zip(widths, sizes, outs)):
+        kernel = prepare(KernelSpec(k, n, 4, "mul1", torch.float32), kernel_device, "triton")
+        parts.append((kernel, arena[t0:t0 + size].view(k // 16, n // 16, words), suh[i], svh[n0:n0 + n], out))
+        t0, n0 = t0 + size, n0 + n
+    layer = BoundLinear(parts, in_features, bias)
+    (group, _, _), = layer.launches
+    assert isinstance(group, GroupLaunch) and layer.max_rows == 32
+    group.tiled_splits[1] = (2, group.tiled_fixed["k_steps"] // 2)
+    x = torch.randn(20, in_features, generator=g).to(kernel_device)
+    y = layer(x)
+    expected = torch.cat([reference.linear(torch.nn.functional.pad(x, (0, k - in_features)).double(), t, su, sv, 4,
+                                           "mul1")[:, :out] for _, t, su, sv, out in parts], -1) + bias.double()
+    assert relative_error(y, expected) < 1e-3  # u is fp16 (~3e-4)
+    per_part = torch.cat([BoundLinear([p], in_features, bias[s:s + p[4]])(x) for p, s in zip(parts, (0, outs[0]))], -1)
+    assert relative_error(y, per_part) < FP32_NOISE
+    assert counters_clear()
+    kernel = parts[0][0]
+    assert kernel.path_for(32) is KernelPath.GEMV and kernel.path_for(33) is KernelPath.RECONSTRUCT_GEMM
+    x = torch.randn(33, in_features, generator=g).to(kernel_device)
+    assert torch.equal(layer(x), layer.unfused(x))
+
+
 def test_bound_moe_projection_reroutes_by_device_ids(make_layer, relative_error, kernel_device):
     trellis, suh, svh = make_layer(256, 128, 4, "mul1", seed=7, experts=4)
     bound = bind_moe(trellis, suh, svh, 4, "mul1")

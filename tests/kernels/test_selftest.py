@@ -112,6 +112,16 @@ def test_split_k_read_of_an_unfinished_workspace_is_caught(monkeypatch):
     assert not ok and "non-finite" in detail
 
 
+def test_tiled_path_is_checked_only_where_it_is_on(monkeypatch):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.delenv("EXL3LOCAL_TILED_MAX_ROWS", raising=False)
+    assert "gemv_tiled" not in selftest_checks.triton_checks(device)
+    monkeypatch.setenv("EXL3LOCAL_TILED_MAX_ROWS", "64")
+    check = selftest_checks.triton_checks(device)["gemv_tiled"]
+    ok, err, _, detail = check(3, "mcg", device, selftest_checks.SIZES[selftest_checks.kind(device)][0])
+    assert ok and err < selftest_checks.TOLERANCE, detail
+
+
 def test_every_rate_is_listed():
     got = selftest.rates()
     assert len(got) == 3 * 8 + 3 and ("mul1", 3.5) in got and ("3inst", 1.5) not in got
