@@ -6,6 +6,9 @@
 #include <cstring>
 #include <mutex>
 #include <omp.h>
+#if defined(EXL3_AVX512)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -56,6 +59,33 @@ inline uint32_t state_of(const uint32_t* U, const Rate& r, int p) {
 }
 
 // In-place natural-order 128-point Walsh-Hadamard transform, scaled to orthonormal.
+#if defined(EXL3_AVX512)
+// The same butterflies in the same order, in registers: stages h = 1..8 pair lanes of one register (a permute, then
+// add or subtract by lane mask), h = 16..64 pair whole registers.
+inline void fwht128(float* v) {
+    __m512 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_ps(v + 16 * i);
+    for (int h = 1; h < 16; h <<= 1) {
+        alignas(64) int idx[16];
+        for (int l = 0; l < 16; ++l) idx[l] = l ^ h;
+        const __m512i perm = _mm512_load_si512(idx);
+        const __mmask16 upper = (__mmask16)(h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00);
+        for (int i = 0; i < 8; ++i) {
+            const __m512 y = _mm512_permutexvar_ps(perm, r[i]);
+            r[i] = _mm512_mask_sub_ps(_mm512_add_ps(r[i], y), upper, y, r[i]);  // lower: v + partner; upper: partner - v
+        }
+    }
+    for (int h = 1; h < 8; h <<= 1)
+        for (int i = 0; i < 8; i += 2 * h)
+            for (int j = i; j < i + h; ++j) {
+                const __m512 a = r[j], b = r[j + h];
+                r[j] = _mm512_add_ps(a, b);
+                r[j + h] = _mm512_sub_ps(a, b);
+            }
+    const __m512 scale = _mm512_set1_ps(HAD_SCALE);
+    for (int i = 0; i < 8; ++i) _mm512_storeu_ps(v + 16 * i, _mm512_mul_ps(r[i], scale));
+}
+#else
 void fwht128(float* v) {
     for (int h = 1; h < 128; h <<= 1)
         for (int i = 0; i < 128; i += 2 * h)
@@ -66,6 +96,7 @@ void fwht128(float* v) {
             }
     for (int i = 0; i < 128; ++i) v[i] *= HAD_SCALE;
 }
+#endif
 
 // u = H(x ⊙ suh) per 128-block, rows in parallel.
 void input_transform(const float* x, const float* suh, float* u, int m, int k, int threads) {
