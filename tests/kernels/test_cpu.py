@@ -165,3 +165,17 @@ def test_moe_grouped_matches_the_units(tokens):
     weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
     got = experts.grouped(x, weights, ids)
     torch.testing.assert_close(got, experts.units(x, weights, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_mul1_fp16_rounding_by_veltkamp_split_is_exact_for_every_byte_sum():
+    """The avx512 tier rounds mul1's affine value to fp16 as c - (c - f), c = f * (2^13 + 1), in fp32 (built with
+    -ffp-contract=off): for each of the 1021 byte sums that equals the fp16 cast the reference applies."""
+    import numpy as np
+
+    from exl3local.kernels.codebook import MUL1_K_BIAS, MUL1_K_INV
+
+    sums = np.arange(1021, dtype=np.float64)
+    f = (sums * MUL1_K_INV + MUL1_K_BIAS).astype(np.float32)  # exact in fp32 (codebook.py)
+    c = f * np.float32(8193.0)
+    assert np.array_equal(c - (c - f), f.astype(np.float16).astype(np.float32))
+    assert "-ffp-contract=off" in build.COMMON_FLAGS
