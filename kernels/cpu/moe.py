@@ -1,6 +1,8 @@
 """Routed experts on the CPU, not a Python loop over experts: every (token, expert) unit of a decode or verify step
 in two library calls (gate and up of all units together, then down); a grouped step (a few to a hundred tokens)
-likewise, its rows binned by expert so that each decoded weight serves up to GROUPED_UNIT_ROWS rows.
+likewise, its rows binned by expert: experts with up to GEMV_MAX_ROWS rows as units (each decoded weight serves all
+of the expert's rows), busier experts one at a time through the GEMM path (Ŵ decoded once per strip, then BLAS),
+which beats the row-unit GEMV from about that many rows on.
 
     experts = CpuExperts(w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, proj)   # once per layer
     out = experts.units(xf, weights, ids)      # (T, padded hidden) fp32, routing weights applied
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from exl3local.kernels.cpu.ops import GROUPED_UNIT_ROWS, CpuExpertProjection
+from exl3local.kernels.cpu.ops import GEMV_MAX_ROWS, CpuExpertProjection, CpuLinear
 
 
 def refusal(proj: dict) -> str | None:
@@ -34,6 +36,7 @@ class CpuExperts:
         self.w13 = CpuExpertProjection(w13_trellis.view(2 * E, *gate.trellis_shape), w13_suh.view(2 * E, gate.size_k),
                                        w13_svh.view(2 * E, gate.size_n), gate.bits, gate.codebook)
         self.w2 = CpuExpertProjection(w2_trellis, w2_suh, w2_svh, down.bits, down.codebook)
+        self.bound: dict[int, tuple] = {}
 
     def units(self, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """xf (T, padded hidden) fp32, weights (T, top_k) fp32, ids (T, top_k) local expert ids (-1: another
@@ -48,7 +51,7 @@ class CpuExperts:
 
     def grouped(self, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """As `units`, with the (token, expert) rows sorted by expert (stable: each token's sum keeps its j order
-        across experts as the per-expert loop adds it) and cut into units of at most GROUPED_UNIT_ROWS rows."""
+        across experts as the per-expert loop adds it)."""
         tokens, top_k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -58,16 +61,31 @@ class CpuExperts:
         if rows == 0:
             return out
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        pieces = (counts + GROUPED_UNIT_ROWS - 1) // GROUPED_UNIT_ROWS
-        first = torch.repeat_interleave(counts.cumsum(0) - counts, pieces)
-        piece = torch.arange(int(pieces.sum())) - torch.repeat_interleave(pieces.cumsum(0) - pieces, pieces)
-        begin = first + piece * GROUPED_UNIT_ROWS
-        unit_ids = torch.repeat_interleave(experts, pieces)
-        end = torch.tensor([rows])
+        begin = counts.cumsum(0) - counts
         token_of = order // top_k
-        # gate units over rows [0, rows), up units over [rows, 2 rows): both read the token's row of xf
-        gu = self.w13.grouped(xf, torch.cat((token_of, token_of)), torch.cat((2 * unit_ids, 2 * unit_ids + 1)),
-                              torch.cat((begin, begin + rows, 2 * end)))
-        h = F.silu(gu[:rows]) * gu[rows:]
-        y = self.w2.grouped(h, torch.arange(rows), unit_ids, torch.cat((begin, end)))
+        y = torch.empty(rows, self.hidden, dtype=torch.float32)
+        light = counts <= GEMV_MAX_ROWS
+        if light.any():
+            unit_ids, unit_begin, unit_counts = experts[light], begin[light], counts[light]
+            # unit rows packed: gate units over [0, n), up units over [n, 2n), down over [0, n)
+            starts = torch.cat((torch.zeros(1, dtype=torch.long), unit_counts.cumsum(0)))
+            n = int(starts[-1])
+            picked = torch.arange(n) + torch.repeat_interleave(unit_begin - starts[:-1], unit_counts)  # their sorted rows
+            gu = self.w13.grouped(xf, torch.cat((token_of[picked],) * 2), torch.cat((2 * unit_ids, 2 * unit_ids + 1)),
+                                  torch.cat((starts[:-1], starts + n)))
+            y[picked] = self.w2.grouped(F.silu(gu[:n]) * gu[n:], torch.arange(n), unit_ids, starts)
+        for e, b, c in zip(experts[~light].tolist(), begin[~light].tolist(), counts[~light].tolist()):
+            gate, up, down = self._expert(e)
+            x = xf[token_of[b : b + c]]
+            y[b : b + c] = down(F.silu(gate(x)) * up(x))
         return out.index_add_(0, token_of, y * weights.reshape(-1)[order, None].float())
+
+    def _expert(self, e: int) -> tuple[CpuLinear, CpuLinear, CpuLinear]:
+        """Expert e's three projections bound as linears (views of the stacks; made on first use)."""
+        bound = self.bound.get(e)
+        if bound is None:
+            w13, w2 = self.w13, self.w2
+            bound = self.bound[e] = tuple(
+                CpuLinear(p.trellis[i], p.suh[i], p.svh[i], p.bits, p.codebook_name)
+                for p, i in ((w13, 2 * e), (w13, 2 * e + 1), (w2, e)))
+        return bound

@@ -23,9 +23,6 @@ from exl3local.kernels.cpu import build
 # Rows up to which the one-pass GEMV beats decode-strip + BLAS here (bench/cpu_decode.py measures it:
 # docs/PERF.md, CPU section).
 GEMV_MAX_ROWS = 8
-# Rows per unit of a grouped MoE call (one expert's tokens, cut into units of at most this many): each decoded
-# weight serves that many rows, and the accumulators (8 KiB per row and thread) stay in L2.
-GROUPED_UNIT_ROWS = 16
 # fp32 elements of one decoded strip (8 MiB): large enough for an efficient GEMM, small beside the weights.
 STRIP_ELEMENTS = 2 << 20
 # Rows per pass of the GEMM path (a chunked prefill sends up to max_num_batched_tokens): each strip is decoded once
@@ -98,7 +95,7 @@ def _bind_operands(op, lib: ctypes.CDLL, trellis: torch.Tensor, tiles_k: int, ti
     op.lib, op.trellis = lib, trellis
     op.tiles_k, op.tiles_n = tiles_k, tiles_n
     op.size_k, op.size_n = 16 * tiles_k, 16 * tiles_n
-    op.bits2 = _bits2(bits)
+    op.bits, op.codebook_name, op.bits2 = bits, codebook, _bits2(bits)
     op.codebook = CODEBOOKS.index(codebook)
     op.suh = suh.float().contiguous()
     op.svh = svh.float().contiguous()
@@ -202,7 +199,7 @@ class CpuExpertProjection:
         return y
 
     def grouped(self, x: torch.Tensor, xrow: torch.Tensor, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """Unit i = rows start[i]:start[i+1] (at most GROUPED_UNIT_ROWS) through expert ids[i] (>= 0), row r's input
+        """Unit i = rows start[i]:start[i+1] (at most GEMV_MAX_ROWS) through expert ids[i] (>= 0), row r's input
         being x[xrow[r]]: x (rows, k) -> y (start[-1], n) fp32, in one library call."""
         x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
         xrow, ids, start = (t.to(torch.int32).contiguous() for t in (xrow, ids, start))
@@ -211,6 +208,6 @@ class CpuExpertProjection:
         u = torch.empty(rows, self.size_k, dtype=torch.float32)
         self.lib.exl3_cpu_moe_grouped(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
                                       self.lut_ptr, x.data_ptr(), xrow.data_ptr(), ids.data_ptr(), start.data_ptr(),
-                                      ids.numel(), GROUPED_UNIT_ROWS, self.suh.data_ptr(), self.svh.data_ptr(),
+                                      ids.numel(), GEMV_MAX_ROWS, self.suh.data_ptr(), self.svh.data_ptr(),
                                       u.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y

@@ -147,10 +147,10 @@ def test_moe_units_match_a_per_expert_loop():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens", [5, 40])
+@pytest.mark.parametrize("tokens", [5, 40])  # experts with up to GEMV_MAX_ROWS rows (units), and busier ones (GEMM)
 def test_moe_grouped_matches_the_units(tokens):
-    """The grouped path (rows binned by expert, units of up to GROUPED_UNIT_ROWS rows) against the one-row units,
-    with remote experts (-1) and experts holding more rows than one unit takes."""
+    """The grouped path (rows binned by expert; experts with few rows as units, busier ones through the GEMM path)
+    against the one-row units, with remote experts (-1)."""
     from exl3local.kernels.cpu.moe import CpuExperts
 
     E, hidden, inter, top_k = 4, 256, 384, 3
