@@ -12,8 +12,9 @@ Arenas (per layer, every expert stacked; Hp, Ip: hidden and intermediate padded 
 Paths by token count (select_path): one token, a speculative verify step (≤ VERIFY_MAX_TOKENS), the grouped
 path (≤ GROUPED_MAX_TOKENS) and the batched path. Wherever the dispatch chose Triton for every projection,
 every path runs as (token, expert) units in five launches (routing ids read on the device: no host sync,
-graph-safe). Otherwise the CPU kernel's units serve decode/verify, and the rest go per expert: tokens binned
-per expert (one host sync), each expert's projections through its kernel or, batched, reconstructed densely.
+graph-safe). Otherwise the CPU kernel's units serve decode/verify and grouped calls (kernels/cpu/moe.py), and the
+rest go per expert: tokens binned per expert (one host sync), each expert's projections through its kernel or,
+batched, reconstructed densely.
 """
 
 from __future__ import annotations
@@ -210,6 +211,8 @@ class ExpertLayer:
         """(T, padded hidden) fp32 from padded fp32 rows: the CPU units, or one expert at a time."""
         if path in (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY) and self.cpu is not None:
             return self.cpu.units(xf, weights, ids)
+        if path == KernelPath.MOE_GROUPED and self.cpu is not None:
+            return self.cpu.grouped(xf, weights, ids)
         out = torch.zeros(xf.shape[0], self.proj["down"].size_n, dtype=torch.float32, device=xf.device)
         if path in (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY):
             host_ids = ids.tolist()  # the layer's one host sync: the units to run

@@ -227,7 +227,9 @@ def test_loading_never_allocates_dense_expert_weights(loaded, experts, tiny_mode
 
 
 def test_decode_on_cpu_runs_the_cpu_units_not_a_loop_over_experts(experts, ckpt, monkeypatch):
+    """Decode, verify and grouped calls (1, 3, 6 tokens) run as CPU library units, never one expert at a time."""
     from exl3local.plugin import trace
+    from exl3local.plugin.moe import select_path
 
     layer = experts[0]
     assert layer.exl3_moe_refusal == "the dispatch chose CpuLinearKernel for gate"
@@ -235,14 +237,13 @@ def test_decode_on_cpu_runs_the_cpu_units_not_a_loop_over_experts(experts, ckpt,
     assert layer.exl3_experts.cpu is not None
 
     def no_per_expert_loop(*args, **kwargs):
-        raise AssertionError("decode/verify went through the per-expert loop")
+        raise AssertionError("decode/verify/grouped went through the per-expert loop")
 
     monkeypatch.setattr(layer.exl3_experts, "expert", no_per_expert_loop)
-    for tokens in (1, 3):
+    for tokens in (1, 3, 6):
         x, weights, ids = routing(tokens, seed=5)
         ids[0, 1] = -1  # another rank's expert: contributes nothing
-        path = KernelPath.MOE_DECODE if tokens == 1 else KernelPath.MOE_VERIFY
-        got = layer.quant_method.run_path(layer, path, x, weights, ids)
+        got = layer.quant_method.run_path(layer, select_path(tokens), x, weights, ids)
         keep = weights.clone()
         keep[0, 1] = 0
         want = reference_moe(ckpt, layer.layer_name, x, keep, torch.where(ids < 0, 0, ids))
