@@ -106,6 +106,17 @@ def rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def rss_parts() -> dict[str, int]:
+    """Resident bytes by kind (/proc/self/status): anonymous (tensors, Python objects, the allocator's heap) and
+    file-backed (mapped libraries and files): the weights, KV and workspaces are all anonymous."""
+    parts = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "RssShmem"):
+            parts[key] = int(value.split()[0]) * 1024
+    return parts
+
+
 def child(model: str, out: str) -> None:
     """One model, engine in this process: RSS growth, decode and prefill speed."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -114,12 +125,13 @@ def child(model: str, out: str) -> None:
     import torch
 
     torch.zeros(1)  # torch's allocator and threads up before the baseline
-    before = rss()
+    before, before_parts = rss(), rss_parts()
     start = time.perf_counter()
     llm = LLM(model, max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=32 << 20,
               skip_tokenizer_init=True, enable_prefix_caching=False, disable_log_stats=True, seed=0)
     load_s = time.perf_counter() - start
     loaded = rss()
+    loaded_parts = rss_parts()
 
     def run(prompt: list[int], tokens: int) -> float:
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, ignore_eos=True, detokenize=False)
@@ -133,8 +145,14 @@ def child(model: str, out: str) -> None:
     decode = []
     for _ in range(3):
         decode.append((run(short, 128) - run(short, 1)) / 127)
+    decoded = rss()
     prefill = min(run(long, 1) for _ in range(2))
-    result = {"model": model, "threads": torch.get_num_threads(), "load_s": load_s, "rss_growth": rss() - before, "rss_after_load": loaded - before,
+    end_parts = rss_parts()
+    result = {"model": model, "threads": torch.get_num_threads(), "load_s": load_s, "rss_growth": rss() - before,
+              "rss_after_load": loaded - before, "rss_after_decode": decoded - before,
+              "anon_after_load": loaded_parts["RssAnon"] - before_parts["RssAnon"],
+              "anon_growth": end_parts["RssAnon"] - before_parts["RssAnon"],
+              "file_growth": end_parts["RssFile"] - before_parts["RssFile"],
               "decode_s_per_token": min(decode), "decode_tok_s": 1 / min(decode),
               "prefill_s": prefill, "prefill_tok_s": 512 / prefill}
     Path(out).write_text(json.dumps(result))
@@ -271,6 +289,8 @@ def main() -> None:
                         help="only one decode step's linears (every layer, through BoundLinear vs F.linear; no engine)")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both engines (vLLM then keeps torch at that "
                         "count; by default it serves with one thread)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate bf16 and EXL3 this many times; each "
+                        "model's best decode and prefill count")
     parser.add_argument("--model", type=Path, help="instead: this EXL3 checkpoint, CPU kernel vs reference decoder")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -299,19 +319,30 @@ def main() -> None:
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
         results = {}
-        for name, path in (("bf16", bf16), ("exl3", exl3)):
-            out = root / f"{name}.json"
-            subprocess.run([sys.executable, "-P", __file__, "--child", str(path), str(out)], check=True,
-                           cwd=tempfile.gettempdir(), env=env)
-            results[name] = json.loads(out.read_text())
-            r = results[name]
-            print(f"{name} ({r['threads']} threads): decode {r['decode_tok_s']:.2f} tok/s, prefill-512 {r['prefill_tok_s']:.1f} tok/s, "
-                  f"RSS growth {r['rss_growth'] / 2**20:.0f} MiB (after load {r['rss_after_load'] / 2**20:.0f}), "
-                  f"load {r['load_s']:.1f} s", flush=True)
+        for round_ in range(args.rounds):  # the models alternate, so a change in the machine's load hits both
+            for name, path in (("bf16", bf16), ("exl3", exl3)):
+                out = root / f"{name}.json"
+                subprocess.run([sys.executable, "-P", __file__, "--child", str(path), str(out)], check=True,
+                               cwd=tempfile.gettempdir(), env=env)
+                r = json.loads(out.read_text())
+                r["load_average"] = os.getloadavg()[0]
+                print(f"round {round_ + 1}: {name} ({r['threads']} threads, load {r['load_average']:.1f}): decode "
+                      f"{r['decode_tok_s']:.2f} tok/s, prefill-512 {r['prefill_tok_s']:.1f} tok/s, RSS growth "
+                      f"{r['rss_growth'] / 2**20:.0f} MiB (after load {r['rss_after_load'] / 2**20:.0f}, anonymous "
+                      f"{r['anon_growth'] / 2**20:.0f}), load {r['load_s']:.1f} s", flush=True)
+                results.setdefault("rounds", []).append({name: r})
+                best = results.get(name)
+                if best is None:
+                    results[name] = dict(r)
+                else:  # the fastest of the rounds (a shared machine only ever slows a run down)
+                    for key in ("decode", "prefill"):
+                        if r[f"{key}_tok_s"] > best[f"{key}_tok_s"]:
+                            best.update({k: v for k, v in r.items() if k.startswith(key)})
     e, b = results["exl3"], results["bf16"]
     results["ratios"] = {"decode": e["decode_tok_s"] / b["decode_tok_s"], "prefill": e["prefill_tok_s"] / b["prefill_tok_s"],
-                         "rss_growth": e["rss_growth"] / b["rss_growth"]}
-    print("EXL3/bf16: decode {decode:.2f}x, prefill-512 {prefill:.2f}x, RSS growth {rss_growth:.2f}x".format(**results["ratios"]))
+                         "rss_growth": e["rss_growth"] / b["rss_growth"], "anon_growth": e["anon_growth"] / b["anon_growth"]}
+    print("EXL3/bf16: decode {decode:.2f}x, prefill-512 {prefill:.2f}x, RSS growth {rss_growth:.2f}x (anonymous "
+          "{anon_growth:.2f}x)".format(**results["ratios"]))
     if not args.skip_linears:
         linears(args, cfg, results)
     print(json.dumps(results))
