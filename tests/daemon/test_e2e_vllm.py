@@ -97,7 +97,7 @@ def test_the_daemon_owns_the_endpoint_and_vllm_serves_on_its_private_socket(serv
 
 
 def test_a_stream_passes_through_chunk_by_chunk_under_a_status_poll_storm(served):
-    stop = threading.Event()
+    stop, storming = threading.Event(), threading.Event()
     polls: list[int] = []
 
     def storm() -> None:
@@ -105,14 +105,21 @@ def test_a_stream_passes_through_chunk_by_chunk_under_a_status_poll_storm(served
             while not stop.is_set():
                 polls.append(client.get("/api/status").status_code)
                 client.get("/api/metrics")
+                if len(polls) >= 4:
+                    storming.set()
 
     pollers = [threading.Thread(target=storm) for _ in range(4)]
     for t in pollers:
         t.start()
     try:
+        assert storming.wait(60)
         with _stream(served, 48) as resp:
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
-            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+            events, polled = [], []  # polls answered by each event: the storm goes on while tokens flow
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    polled.append(len(polls))
     finally:
         stop.set()
         for t in pollers:
@@ -120,7 +127,8 @@ def test_a_stream_passes_through_chunk_by_chunk_under_a_status_poll_storm(served
     # token events as vLLM sends them (one or a few tokens each: it batches when the reader lags), then [DONE]
     assert events[-1] == "data: [DONE]" and len(events) > 12
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
-    assert text and len(polls) > 20 and set(polls) == {200}
+    # a count of polls, not a rate: how many fit in a 48-token stream depends on the machine's load
+    assert text and polled[-1] > polled[0] and set(polls) == {200}, (polled, polls)
 
 
 def test_a_client_that_goes_away_mid_stream_aborts_its_engine_request(served):
@@ -174,6 +182,27 @@ def test_sigstop_of_engine_core_is_noticed_and_restarted(served):
     assert not psutil.pid_exists(core.pid) or psutil.Process(core.pid).status() == psutil.STATUS_ZOMBIE
     assert left < 60
     _complete(served)
+
+
+def test_a_request_by_another_installed_models_name_switches_the_engine(served, tiny_models):
+    """The one extra engine start of this module: vLLM serves the registered name, then the catalogue lists it."""
+    other = "tiny-llama-exl3-2.5bpw"
+    assert served.cli("register", "tiny-other", str(tiny_models[other])).returncode == 0
+    base = f"http://127.0.0.1:{served.engine_port}/v1"
+    before = _status(served)["engine_pid"]
+    t0 = time.monotonic()
+    answer = httpx.post(f"{base}/completions", timeout=600, json={
+        "model": "tiny-other", "prompt": "import os\n", "max_tokens": 8, "temperature": 0})
+    print(f"request for another model: switched and answered in {time.monotonic() - t0:.1f} s")
+    assert answer.status_code == 200 and answer.json()["model"] == "tiny-other", answer.text
+    assert answer.json()["usage"]["completion_tokens"] > 0
+    st = _status(served)
+    assert st["served_model_name"] == "tiny-other" and st["model"] == str(tiny_models[other])
+    assert st["engine_pid"] != before and not pid_alive(before)
+    rows = {m["id"]: m for m in httpx.get(f"{base}/models", timeout=30).json()["data"]}
+    assert rows["tiny-other"]["loaded"] and rows["tiny-other"]["state"] == "READY"
+    unknown = httpx.post(f"{base}/completions", timeout=30, json={"model": "nope", "prompt": "x", "max_tokens": 1})
+    assert unknown.status_code == 404 and "tiny-other" in unknown.json()["error"]["message"], unknown.text
 
 
 def test_down_leaves_no_process_socket_or_temp_file(served):
