@@ -22,6 +22,12 @@ def test_the_api_key_is_enforced_at_the_front(box, tiny_models, tmp_path):
     assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
     ok = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == TINY  # the front's own list, served first
+    # its own answers carry the engine middleware's CORS rule (the profile's default local origins)
+    local = httpx.get(url, headers={"Authorization": f"Bearer {KEY}", "Origin": "http://localhost:3000"})
+    assert local.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert local.headers.get_list("vary") == ["Origin"]
+    web = httpx.get(url, headers={"Authorization": f"Bearer {KEY}", "Origin": "https://example.com"})
+    assert web.status_code == 200 and "access-control-allow-origin" not in web.headers
     completion = "http://127.0.0.1:%d/v1/completions" % box.engine_port
     assert httpx.post(completion, json={"prompt": "x"}).status_code == 401
     ok = httpx.post(completion, json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}"})
