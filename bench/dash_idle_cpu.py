@@ -2,7 +2,7 @@
 
     .venv/bin/python -P bench/dash_idle_cpu.py stub      # the tests' stub daemon, recorded READY status
     .venv/bin/python -P bench/dash_idle_cpu.py nodaemon  # nothing listens: the reconnect loop
-    .venv/bin/python -P bench/dash_idle_cpu.py real      # the daemon at EXL3LOCAL_HOST (`exl3local up` first)
+    .venv/bin/python -P bench/dash_idle_cpu.py real      # the running daemon (EXL3LOCAL_HOST, else its socket)
 
 The dashboard runs in a real pty (`script`), 120x40, polling once a second; the first 8 s (imports,
 first frames) are skipped, then its user+system CPU time is sampled over --window seconds.
@@ -47,7 +47,7 @@ def main() -> None:
         serve_stub(args.port)
         return
     stub = None
-    host = os.environ.get("EXL3LOCAL_HOST", "127.0.0.1:11435")
+    host = os.environ.get("EXL3LOCAL_HOST")  # unset: the dashboard's own default, the daemon's Unix socket
     if args.mode in ("stub", "nodaemon"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -58,7 +58,7 @@ def main() -> None:
         stub.stdout.readline()
     exe = Path(sys.executable).with_name("exl3local")
     dash = subprocess.Popen(
-        ["script", "-qfc", f"stty cols 120 rows 40; exec {exe} dash --host {host}", "/dev/null"],
+        ["script", "-qfc", f"stty cols 120 rows 40; exec {exe} dash" + (f" --host {host}" if host else ""), "/dev/null"],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ, "TERM": "xterm-256color"}, cwd="/tmp",
     )  # fmt: skip
     try:
