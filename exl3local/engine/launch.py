@@ -238,6 +238,11 @@ def build(
     # torch.compile's cache (e.g. the logprobs op the warm-up compiles) defaults to $TMPDIR, this engine's
     # private temp dir, which goes with the engine: keep it in the user's cache so the next start finds it
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(paths.cache_dir() / "torchinductor"))
+    if profile.backend == "cpu" and profile.vllm.get("enforce_eager"):
+        # An eager CPU engine still torch.compiles vLLM's sampler helpers (the logprobs count, top-k/top-p) on
+        # first use: a C++ build (measured alone on a loaded 2-core box: 37 s with a warm cache, 5 min cold) of
+        # elementwise ops over the vocabulary that run as fast eagerly on a CPU. Dynamo off makes them plain calls.
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env.update({
         CORS_ORIGINS_ENV: json.dumps(origins),
         "VLLM_NO_USAGE_STATS": "1",

@@ -142,3 +142,18 @@ def test_torch_compiles_are_cached_beyond_the_engines_private_temp_dir(tiny_mode
     mine = launch.build(model, profiles.load("cpu"), bud, port=1, tmpdir=str(tmp_path / "t"),
                         base_env={"TORCHINDUCTOR_CACHE_DIR": "/mine"})
     assert mine.env["TORCHINDUCTOR_CACHE_DIR"] == "/mine"  # the user's own setting wins
+
+
+def test_an_eager_cpu_engine_runs_vllms_sampler_helpers_without_torch_compile(tiny_models, tmp_path):
+    """Every CPU start compiled vLLM's logprobs op (tens of seconds warm, minutes cold) though the engine is eager."""
+    spec, _ = _spec(tiny_models, tmp_path)
+    assert spec.env["TORCHDYNAMO_DISABLE"] == "1"
+    model = tiny_models["tiny-llama-exl3-4.0bpw"]
+    bud = budget.Budget(kv_budget_bytes=1, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=512, pinned=True)
+    compiled = profiles.with_overrides(profiles.load("cpu"), {"vllm.enforce_eager": "false"})
+    assert "TORCHDYNAMO_DISABLE" not in launch.build(model, compiled, bud, port=1, tmpdir=str(tmp_path / "c"),
+                                                     base_env={}).env  # compiled mode: the user's choice
+    mine = launch.build(model, profiles.load("cpu"), bud, port=1, tmpdir=str(tmp_path / "m"),
+                        base_env={"TORCHDYNAMO_DISABLE": "0"})
+    assert mine.env["TORCHDYNAMO_DISABLE"] == "0"  # the user's own setting wins
+    assert "TORCHDYNAMO_DISABLE" not in _spec(tiny_models, tmp_path, "b70")[0].env
