@@ -63,6 +63,7 @@ class Server:
             "TMPDIR": self.tmpdir,
             "EXL3LOCAL_TRACE_DIR": str(trace_dir),
             "EXL3LOCAL_TRACE_PATHS": "1",
+            "TORCHDYNAMO_DISABLE": "1",  # an eager CPU engine, as engine.launch starts one: no sampler compile
             **(extra_env or {}),
         }
         self.proc: subprocess.Popen | None = None
