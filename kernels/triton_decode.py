@@ -89,34 +89,54 @@ def lanes_per_superlane(bits: float) -> int:
 
 
 @triton.jit
-def _ring_word(row_base, tile_off, s, mask, WI: tl.constexpr, WPS: tl.constexpr, W32: tl.constexpr):
+def _ring_word(row_base, tile_off, s, mask, WI: tl.constexpr, WPS: tl.constexpr, W32: tl.constexpr,
+               FKT: tl.constexpr = 0, FBNT: tl.constexpr = 0):
     """Word WI of super-lane s's window (word 0 is the word before the super-lane; the ring wraps).
-    tile_off and s broadcast against each other (the caller picks the shape)."""
+    tile_off and s broadcast against each other (the caller picks the shape); FKT > 0: they are flat
+    (ring_tiles), tile-major, and the words come back as [FKT, FBNT, 32/G].
+
+    Coalescing (which lanes load which words is the compiler's choice, made from what it can prove about the
+    addresses): the flat index puts consecutive lanes on consecutive super-lanes of one tile whatever the
+    rate (a [KT, BNT, 32/G] load at a rate whose super-lanes are more than one word apart has no contiguous
+    axis, and Triton 3.6 then put the lanes across tiles); word 0 of super-lane 0 wraps to the tile's last
+    word through a load of that word per tile, not a wrapped index, which hid the contiguity at 1, 2 and 4
+    bits (Triton 3.6 spread a warp's load over 8 tiles: 16 of 32 bytes used per sector)."""
     idx = s * WPS + (WI - 1)
     if WI == 0:
-        idx = tl.where(idx < 0, idx + W32, idx)
-    if mask is None:
+        inside = idx >= 0
+        if mask is not None:
+            inside = inside & mask
+        word = tl.load(row_base + tile_off + idx, mask=inside, other=0)
+        if mask is None:
+            last = tl.load(row_base + tile_off + (W32 - 1))
+        else:
+            last = tl.load(row_base + tile_off + (W32 - 1), mask=mask, other=0)
+        word = tl.where(idx >= 0, word, last)
+    elif mask is None:
         word = tl.load(row_base + tile_off + idx)
     else:
         word = tl.load(row_base + tile_off + idx, mask=mask, other=0)
+    if FKT > 0:
+        word = tl.reshape(word, (FKT, FBNT, W32 // WPS))
     return word.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def ring_state(row_base, tile_off, s, mask, g: tl.constexpr, j: tl.constexpr, KA: tl.constexpr,
-               HALF: tl.constexpr, WPS: tl.constexpr, W32: tl.constexpr):
-    """States (uint32, 0..65535) of position 8g+j of every super-lane s of every tile."""
+               HALF: tl.constexpr, WPS: tl.constexpr, W32: tl.constexpr, FKT: tl.constexpr = 0,
+               FBNT: tl.constexpr = 0):
+    """States (uint32, 0..65535) of position 8g+j of every super-lane s of every tile (FKT: as _ring_word)."""
     # Compile-time position arithmetic: the position's state ends at stream bit `end` of its super-lane.
     p = 8 * g + j
     end = (p + 1) * KA + ((p + 1) >> 1) * HALF
     a = end + 16  # window start, counted from word 0 (the word before the super-lane)
     wi = a >> 5
     off = a & 31
-    hi = _ring_word(row_base, tile_off, s, mask, wi, WPS, W32)
+    hi = _ring_word(row_base, tile_off, s, mask, wi, WPS, W32, FKT, FBNT)
     if off <= 16:
         state = (hi >> (16 - off)) & 0xFFFF
     else:
-        lo = _ring_word(row_base, tile_off, s, mask, wi + 1, WPS, W32)
+        lo = _ring_word(row_base, tile_off, s, mask, wi + 1, WPS, W32, FKT, FBNT)
         state = ((hi << (off - 16)) | (lo >> (48 - off))) & 0xFFFF
     return state
 
@@ -132,40 +152,40 @@ def ring_state(row_base, tile_off, s, mask, g: tl.constexpr, j: tl.constexpr, KA
 
 @triton.jit
 def _decoded(row_base, tile_off, s, g: tl.constexpr, j: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
-             WPS: tl.constexpr, W32: tl.constexpr, CODEBOOK: tl.constexpr):
-    """Positions 8g+j and 8g+j+4 of every super-lane."""
-    return (decode_half(ring_state(row_base, tile_off, s, None, g, j, KA, HALF, WPS, W32), CODEBOOK),
-            decode_half(ring_state(row_base, tile_off, s, None, g, j + 4, KA, HALF, WPS, W32), CODEBOOK))
+             WPS: tl.constexpr, W32: tl.constexpr, CODEBOOK: tl.constexpr, KT: tl.constexpr, BNT: tl.constexpr):
+    """Positions 8g+j and 8g+j+4 of every super-lane, [KT, BNT, 32/G] (tile_off, s flat: ring_tiles)."""
+    return (decode_half(ring_state(row_base, tile_off, s, None, g, j, KA, HALF, WPS, W32, KT, BNT), CODEBOOK),
+            decode_half(ring_state(row_base, tile_off, s, None, g, j + 4, KA, HALF, WPS, W32, KT, BNT), CODEBOOK))
 
 
 @triton.jit
 def _lanes(row_base, tile_off, s, j: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr, WPS: tl.constexpr,
-           W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr):
+           W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr, KT: tl.constexpr, BNT: tl.constexpr):
     """Positions j and j+4 of every lane t = s·G + g: [..., S, then one size-2 axis per bit of g (most
     significant first), then j2]."""
     if G == 1:
-        a, b = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK)
+        a, b = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
     elif G == 2:
-        a0, b0 = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK)
-        a1, b1 = _decoded(row_base, tile_off, s, 1, j, KA, HALF, WPS, W32, CODEBOOK)
+        a0, b0 = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a1, b1 = _decoded(row_base, tile_off, s, 1, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
         a = tl.join(a0, a1)
         b = tl.join(b0, b1)
     elif G == 4:
-        a0, b0 = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK)
-        a1, b1 = _decoded(row_base, tile_off, s, 1, j, KA, HALF, WPS, W32, CODEBOOK)
-        a2, b2 = _decoded(row_base, tile_off, s, 2, j, KA, HALF, WPS, W32, CODEBOOK)
-        a3, b3 = _decoded(row_base, tile_off, s, 3, j, KA, HALF, WPS, W32, CODEBOOK)
+        a0, b0 = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a1, b1 = _decoded(row_base, tile_off, s, 1, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a2, b2 = _decoded(row_base, tile_off, s, 2, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a3, b3 = _decoded(row_base, tile_off, s, 3, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
         a = tl.join(tl.join(a0, a2), tl.join(a1, a3))
         b = tl.join(tl.join(b0, b2), tl.join(b1, b3))
     else:
-        a0, b0 = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK)
-        a1, b1 = _decoded(row_base, tile_off, s, 1, j, KA, HALF, WPS, W32, CODEBOOK)
-        a2, b2 = _decoded(row_base, tile_off, s, 2, j, KA, HALF, WPS, W32, CODEBOOK)
-        a3, b3 = _decoded(row_base, tile_off, s, 3, j, KA, HALF, WPS, W32, CODEBOOK)
-        a4, b4 = _decoded(row_base, tile_off, s, 4, j, KA, HALF, WPS, W32, CODEBOOK)
-        a5, b5 = _decoded(row_base, tile_off, s, 5, j, KA, HALF, WPS, W32, CODEBOOK)
-        a6, b6 = _decoded(row_base, tile_off, s, 6, j, KA, HALF, WPS, W32, CODEBOOK)
-        a7, b7 = _decoded(row_base, tile_off, s, 7, j, KA, HALF, WPS, W32, CODEBOOK)
+        a0, b0 = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a1, b1 = _decoded(row_base, tile_off, s, 1, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a2, b2 = _decoded(row_base, tile_off, s, 2, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a3, b3 = _decoded(row_base, tile_off, s, 3, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a4, b4 = _decoded(row_base, tile_off, s, 4, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a5, b5 = _decoded(row_base, tile_off, s, 5, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a6, b6 = _decoded(row_base, tile_off, s, 6, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a7, b7 = _decoded(row_base, tile_off, s, 7, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
         a = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
         b = tl.join(tl.join(tl.join(b0, b4), tl.join(b2, b6)), tl.join(tl.join(b1, b5), tl.join(b3, b7)))
     return tl.join(a, b)
@@ -173,16 +193,19 @@ def _lanes(row_base, tile_off, s, j: tl.constexpr, KA: tl.constexpr, HALF: tl.co
 
 @triton.jit
 def ring_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA: tl.constexpr,
-                 HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr):
+                 HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr,
+                 FLAT: tl.constexpr = True):
     """Ŵ of KT×BNT tiles as a [16·KT, 16·BNT] fp16 dot operand in ring order (see above).
 
-    tile_off, s: from ring_tiles (loop-invariant, so kernels make them once outside their K loop)."""
+    tile_off, s: from ring_tiles with the same FLAT (loop-invariant, so kernels make them once outside their
+    K loop)."""
     WPS: tl.constexpr = W32 // (32 // G)  # words per super-lane
+    FKT: tl.constexpr = KT if FLAT else 0
     # j = 4·j2 + 2·j1 + j0; _lanes appends j2, the joins here j1 and j0.
-    x = tl.join(tl.join(_lanes(row_base, tile_off, s, 0, KA, HALF, WPS, W32, G, CODEBOOK),
-                        _lanes(row_base, tile_off, s, 2, KA, HALF, WPS, W32, G, CODEBOOK)),
-                tl.join(_lanes(row_base, tile_off, s, 1, KA, HALF, WPS, W32, G, CODEBOOK),
-                        _lanes(row_base, tile_off, s, 3, KA, HALF, WPS, W32, G, CODEBOOK)))
+    x = tl.join(tl.join(_lanes(row_base, tile_off, s, 0, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT),
+                        _lanes(row_base, tile_off, s, 2, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT)),
+                tl.join(_lanes(row_base, tile_off, s, 1, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT),
+                        _lanes(row_base, tile_off, s, 3, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT)))
     # [KT, BNT, t>>2, t&3, j2, (j1, j0)] -> [KT, t&3, (j1, j0) | BNT, t>>2, j2]
     x = tl.reshape(x, (KT, BNT, 8, 4, 2, 4))
     x = tl.permute(x, (0, 3, 5, 1, 2, 4))
@@ -190,33 +213,52 @@ def ring_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA:
 
 
 @triton.jit
-def ring_tiles(tn0, tiles_n, KT: tl.constexpr, BNT: tl.constexpr, W32: tl.constexpr, G: tl.constexpr):
-    """(tile_off [KT, BNT, 1], s [1, 1, 32/G]): word offsets of KT tile rows × BNT tiles from tile column tn0,
-    relative to the first tile row's base, and the super-lane indices, as ring_operand takes them."""
-    kt = tl.arange(0, KT)
-    tn = tn0 + tl.arange(0, BNT)
-    tile_off = (kt[:, None, None] * tiles_n + tn[None, :, None]) * W32
-    return tile_off, tl.arange(0, 32 // G)[None, None, :]
+def ring_tiles(tn0, tiles_n, KT: tl.constexpr, BNT: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
+               FLAT: tl.constexpr = True):
+    """(tile_off, s): the word offset of each super-lane's tile (KT tile rows × BNT tiles from tile column tn0,
+    relative to the first tile row's base) and its super-lane index, as ring_operand takes them. FLAT: both
+    flat over [KT, BNT, 32/G], super-lanes fastest, so every word load runs lane-linear (_ring_word); else
+    tile_off [KT, BNT, 1] and s [1, 1, 32/G], laid out as the compiler sees fit."""
+    S: tl.constexpr = 32 // G
+    if FLAT:
+        f = tl.arange(0, KT * BNT * S)
+        tile_off = ((f // (BNT * S)) * tiles_n + tn0 + (f // S) % BNT) * W32
+        s = f % S
+    else:
+        tile_off = (tl.arange(0, KT)[:, None, None] * tiles_n + tn0 + tl.arange(0, BNT)[None, :, None]) * W32
+        s = tl.arange(0, S)[None, None, :]
+    return tile_off, s
 
 
 @triton.jit
 def ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, tk0, steps, tn0, KA: tl.constexpr, HALF: tl.constexpr,
              W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr, BM: tl.constexpr, BNT: tl.constexpr,
-             KT: tl.constexpr):
+             KT: tl.constexpr, FLAT: tl.constexpr = True):
     """acc [BM, 16·BNT] fp32 = u[rm, K range] · Ŵ[K range, BNT tiles from tile column tn0], columns in ring
     order, over `steps` steps of KT tile rows from tile row tk0: the K loop every ring dot kernel shares.
-    The operand is in ring order, so the activations are loaded through ring_rows."""
-    tile_off, s = ring_tiles(tn0, tiles_n, KT, BNT, W32, G)
+    The operand is in ring order: the activations are loaded contiguously (coalesced: through ring_rows' index
+    the compiler saw no contiguity and Triton 3.6 laid a warp's load across 16 rows, 4 of 32 bytes used per
+    sector) and put in ring order in registers (ring_order_rows)."""
+    tile_off, s = ring_tiles(tn0, tiles_n, KT, BNT, W32, G, FLAT)
     row_base = w_base + tk0.to(tl.int64) * tiles_n * W32
-    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk0 * 16 + ring_rows(tl.arange(0, 16 * KT))[None, :]
+    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk0 * 16 + tl.arange(0, 16 * KT)[None, :]
     acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
     for _ in range(steps):
-        w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK)
-        u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
+        w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, FLAT)
+        u = ring_order_rows(tl.load(u_ptrs, mask=mask_m[:, None], other=0.0), BM, KT)
         acc = tl.dot(u, w, acc)
         row_base += KT * tiles_n * W32
         u_ptrs += 16 * KT
     return acc
+
+
+@triton.jit
+def ring_order_rows(u, BM: tl.constexpr, KT: tl.constexpr):
+    """u [BM, 16·KT] with k in natural order -> the ring operand's k order (column i holds natural column
+    ring_rows(i)): ring_rows maps index bits (i3 i2 i1 i0) to row bits (r3 r2 r1 r0) = (i1 i3 i2 i0), so the
+    ring index's bits are (r2 r1 r3 r0): a permute of four size-2 axes."""
+    x = tl.reshape(u, (BM, KT, 2, 2, 2, 2))
+    return tl.reshape(tl.permute(x, (0, 1, 3, 4, 2, 5)), (BM, 16 * KT))
 
 
 @triton.jit

@@ -82,7 +82,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                       KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
                       CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0,
-                      PAIRS: tl.constexpr = False):
+                      PAIRS: tl.constexpr = False, FLAT: tl.constexpr = True):
     """y = H(u·Ŵ)⊙svh (+ bias) for BM rows of u (MoE: one unit in row 0) × 128 columns, one K split.
     u is (M, k) fp16, contiguous; y keeps the first n_out columns, rows stride_ym apart (a part of a fused
     layer writes its slice of the layer's output in place).
@@ -91,7 +91,9 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
     belongs to the part that parts_ptr's row b names (int64: trellis word offset from w_ptr, padded column
     start = svh offset, output column start, kept columns, tiles_n, part index, first block); u holds each
     row's parts side by side (row m of part p is u row m·PARTS + p: bound.GroupLaunch's input transform),
-    tiles_n is the layer's total and n_out unused."""
+    tiles_n is the layer's total and n_out unused.
+
+    FLAT: the trellis words loaded through flat indices (triton_decode.ring_tiles), lane-linear whatever the rate."""
     BNT: tl.constexpr = 8
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -110,7 +112,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         mask_m = rm < M
         acc = ring_dot(u_ptr, w_ptr + tl.multiple_of(tl.load(row), 16), rm * PARTS + tl.load(row + 5), mask_m, size_k, part_n,
                        pid_s * steps_per_split * KT, steps_per_split, local_n * BNT, KA, HALF, W32, G, CODEBOOK, BM,
-                       BNT, KT)
+                       BNT, KT, FLAT)
         c = tl.arange(0, 128)
         z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]
         tl.store(z_ptr + pid_s * stride_zs + z_offs, acc, mask=mask_m[:, None])
@@ -148,7 +150,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         row0 = pid_m * BM
         rows = tl.minimum(M - row0, BM)
     acc = ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, pid_s * steps_per_split * KT, steps_per_split,
-                   pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT)
+                   pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT, FLAT)
     # Every split stores its partial; the last one to arrive (or the only one) finishes the block.
     c = tl.arange(0, 128)
     z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]

@@ -100,16 +100,18 @@ def main() -> None:
         for block_m, has_ids in ((16, False), (64, False), (16, True)):
             compile_one(triton_gemv.exl3_ring_dot_kernel, MATMUL_ARGS,
                         dict(rate, HAS_IDS=has_ids, BM=block_m, BNT=block_nt, KT=block_kt), num_warps=warps)
-        for has_ids, split, parts in ((False, True, 0), (True, True, 0), (False, False, 0), (False, True, 3)):
+        # FLAT=False (the trellis words as [KT, BNT, 32/G] loads) once, at a rate whose super-lanes span 3 words
+        variants = ((False, True, 0, True), (True, True, 0, True), (False, False, 0, True), (False, True, 3, True))
+        for has_ids, split, parts, flat in variants + (((False, True, 0, False),) if bits == 3 else ()):
             compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
                         dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt,
-                             PARTS=parts, PAIRS=has_ids), num_warps=warps, num_stages=1)
+                             PARTS=parts, PAIRS=has_ids, FLAT=flat), num_warps=warps, num_stages=1)
         # the tiled path (more than 16 rows): 64-row tiles, its own KT and warps; grouped parts once
         tile_kt, tile_warps = triton_gemv.tiled_config(bits)
         for parts in ((0, 3) if bits == 4 else (0,)):
             compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
                         dict(rate, HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE,
-                             BM=triton_gemv.TILE_ROWS, KT=tile_kt, PARTS=parts, PAIRS=False),
+                             BM=triton_gemv.TILE_ROWS, KT=tile_kt, PARTS=parts, PAIRS=False, FLAT=True),
                         num_warps=tile_warps, num_stages=1)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,

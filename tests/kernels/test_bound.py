@@ -38,6 +38,22 @@ def test_fused_matches_emulation_with_and_without_split_k(make_layer, emulate, r
     assert counters_clear()  # the last split reset its block's counter for the next launch
 
 
+@pytest.mark.parametrize("codebook,bits", [("mcg", 3), ("mul1", 8)])
+def test_flat_and_shaped_word_loads_give_the_same_bits(make_layer, kernel_device, codebook, bits):
+    """The trellis words loaded through flat indices (lane-linear, the default) or as [KT, BNT, 32/G] tensors
+    (triton_decode.ring_tiles' FLAT): the same words, so the same outputs bit for bit (rates whose super-lanes
+    span several words: 3 bits three, 8 bits two)."""
+    trellis, suh, svh = make_layer(128, 128, bits, codebook, seed=9)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(9)).to(kernel_device)
+    outs = []
+    for flat in (True, False):
+        launch = FusedLaunch(trellis, suh, svh, bits, codebook)
+        launch.fused_fixed["FLAT"] = flat
+        outs.append(torch.empty(2, 128, device=kernel_device))
+        launch.launch(x, outs[-1], 2)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("codebook,bits", [("mul1", 8), ("3inst", 8)])
 def test_one_row_at_fma_rates_finishes_in_the_fma_kernel(make_layer, emulate, relative_error, kernel_device,
                                                          codebook, bits):
