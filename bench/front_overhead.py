@@ -13,10 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,28 +21,8 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def isolated_env(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXL3LOCAL_", "XDG_"))}
-    for d in ("state", "config", "cache", "run", "tmp"):
-        (root / d).mkdir(mode=0o700, exist_ok=True)
-    env.update({
-        "XDG_STATE_HOME": str(root / "state"), "XDG_CONFIG_HOME": str(root / "config"),
-        "XDG_CACHE_HOME": str(root / "cache"), "XDG_RUNTIME_DIR": str(root / "run"), "TMPDIR": str(root / "tmp"),
-        "EXL3LOCAL_ENGINE_PORT": str(free_port()), "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-    })  # fmt: skip
-    return env
-
-
-def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-m", "exl3local", *args], env=env, capture_output=True, text=True,
-                          check=False, cwd="/", timeout=900)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
+from isolated import cli, isolated_env  # noqa: E402
 
 
 async def one(client: httpx.AsyncClient, model: str, tokens: int) -> tuple[float, float]:

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,29 +23,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def isolated_env(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXL3LOCAL_", "XDG_"))}
-    for d in ("state", "config", "cache", "run", "tmp"):
-        (root / d).mkdir(mode=0o700, exist_ok=True)
-    env.update({
-        "XDG_STATE_HOME": str(root / "state"), "XDG_CONFIG_HOME": str(root / "config"),
-        "XDG_CACHE_HOME": str(root / "cache"), "XDG_RUNTIME_DIR": str(root / "run"), "TMPDIR": str(root / "tmp"),
-        "EXL3LOCAL_HOST": f"127.0.0.1:{free_port()}", "EXL3LOCAL_ENGINE_PORT": str(free_port()),
-        "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-    })  # fmt: skip
-    return env
-
-
-def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-m", "exl3local", *args], env=env, capture_output=True, text=True,
-                          check=False, cwd="/")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
+from isolated import cli, isolated_env  # noqa: E402
 
 
 def bare(model: str, root: Path) -> float:
