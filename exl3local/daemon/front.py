@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+import httpcore
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +45,8 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"p
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 IDLE_TIMEOUT_S = 5.0  # between requests on a keep-alive connection (uvicorn's default)
 ENGINE_CONNECT_TIMEOUT_S = 5.0  # a local socket: more is a stuck engine; reads have no limit (long generations)
+# what a failed or broken engine connection raises (httpcore has no one base class for them)
+ENGINE_ERRORS = (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError)
 
 
 def openai_error(status: int, message: str, kind: str, retry_after_s: int | None = None,
@@ -72,14 +74,14 @@ class _Forwarded(StreamingResponse):
     before or during the stream, an error), the engine connection is closed, which makes vLLM abort a
     request still running, and `done` is called once."""
 
-    def __init__(self, upstream: httpx.Response, done: Callable[[], None], progress: Callable[[], None]) -> None:
+    def __init__(self, upstream: httpcore.Response, done: Callable[[], None], progress: Callable[[], None]) -> None:
         async def chunks() -> Any:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.stream:
                 progress()
                 yield chunk
 
-        super().__init__(chunks(), upstream.status_code)
-        self.raw_headers = [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() not in HOP_BY_HOP]
+        super().__init__(chunks(), upstream.status)
+        self.raw_headers = [(k.lower(), v) for k, v in upstream.headers if k.lower() not in HOP_BY_HOP]
         self._upstream = upstream
         self._done = done
 
@@ -99,8 +101,8 @@ class Front:
         self.host: str | None = None
         self.port: int | None = None
         self._served: asgi.Served | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._client_uds: str | None = None
+        self._pool: httpcore.AsyncConnectionPool | None = None
+        self._pool_uds: str | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._origins: tuple[tuple[str, ...], re.Pattern[str]] | None = None  # the profile's CORS patterns, compiled
         self.app = Starlette(routes=[Route("/{path:path}", self.forward, methods=METHODS)])
@@ -126,23 +128,22 @@ class Front:
             await self._served.close()
             self._served = None
         self.host = self.port = None
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = self._client_uds = None
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = self._pool_uds = None
 
-    def engine(self, uds: str) -> httpx.AsyncClient:
-        """The HTTP client to the engine's socket (one pool per engine socket)."""
-        if self._client is None or self._client_uds != uds:
-            old, self._client = self._client, httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=uds), base_url="http://engine", trust_env=False,
-                timeout=httpx.Timeout(None, connect=ENGINE_CONNECT_TIMEOUT_S),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
-            self._client_uds = uds
+    def engine(self, uds: str) -> httpcore.AsyncConnectionPool:
+        """The connection pool to the engine's socket (one per engine socket). httpcore, the transport under
+        httpx, without httpx's request and URL models: those were most of the front's CPU per request."""
+        if self._pool is None or self._pool_uds != uds:
+            old, self._pool = self._pool, httpcore.AsyncConnectionPool(uds=uds, max_connections=None,
+                                                                       max_keepalive_connections=32)
+            self._pool_uds = uds
             if old is not None:  # the previous engine's pool: its streams end on their own
                 task = asyncio.get_running_loop().create_task(old.aclose())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-        return self._client
+        return self._pool
 
     def _refusal(self, request: Request) -> Response | None:
         """The front's own answer when there is no model, or the key is wrong; else None."""
@@ -245,15 +246,20 @@ class Front:
         """Forward to the engine; the scheduler's end() comes when the answer is over (or failed)."""
         scheduler = self.daemon.scheduler
         spec = self.daemon.plan.spec
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP_BY_HOP]
+        # the body is whole here: its length is ours to say (a client's chunked upload arrives as one body)
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP_BY_HOP and k.lower() != b"content-length"]
+        headers.append((b"host", b"engine"))
+        if body or request.method in ("POST", "PUT", "PATCH"):
+            headers.append((b"content-length", b"%d" % len(body)))
         # the path as the client sent it (percent-escapes kept), not starlette's decoded one
-        path = request.scope.get("raw_path", b"").decode("latin-1") or request.url.path
-        target = path + (f"?{request.url.query}" if request.url.query else "")
-        client = self.engine(spec.uds)
-        upstream = client.build_request(request.method, target, headers=headers, content=body)
+        path = request.scope.get("raw_path") or request.url.path.encode()
+        query = request.scope.get("query_string", b"")
+        upstream = httpcore.Request(request.method.encode(), httpcore.URL(
+            scheme=b"http", host=b"engine", port=None, target=path + b"?" + query if query else path),
+            headers=headers, content=body, extensions={"timeout": {"connect": ENGINE_CONNECT_TIMEOUT_S}})
         try:
-            resp = await client.send(upstream, stream=True)
-        except httpx.TransportError as exc:
+            resp = await self.engine(spec.uds).handle_async_request(upstream)
+        except ENGINE_ERRORS as exc:
             scheduler.end()
             # a hung engine killed under a waiting request lands here too
             return openai_error(503, f"the engine did not answer ({type(exc).__name__}); it is being restarted "
@@ -262,6 +268,8 @@ class Front:
         scheduler.progress()  # the headers are a byte too
         return _Forwarded(resp, scheduler.end, scheduler.progress)
 
-    async def engine_get(self, path: str) -> httpx.Response:
-        """GET on the engine itself (the daemon's /api/metrics)."""
-        return await self.engine(self.daemon.plan.spec.uds).get(path, timeout=5.0)
+    async def engine_get(self, path: str) -> str:
+        """GET on the engine itself (the daemon's /api/metrics); raises one of ENGINE_ERRORS."""
+        resp = await self.engine(self.daemon.plan.spec.uds).request(
+            "GET", f"http://engine{path}", extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"), 5.0)})
+        return resp.content.decode()

@@ -21,12 +21,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
 from exl3local import env, errors, paths
 from exl3local.api.protocol import API_VERSION, ENGINE_ALIVE, EngineState, GpuStatus, UpRequest
-from exl3local.daemon.front import Front
+from exl3local.daemon.front import ENGINE_ERRORS, Front
 from exl3local.daemon.scheduler import Scheduler
 from exl3local.daemon.plan import ENGINE_HOST, Plan, env_number, plan, port_free
 from exl3local.engine import apikey, launch, stats
@@ -209,10 +208,9 @@ class Daemon:
         if self.sup.state != EngineState.READY or self.plan is None:
             raise errors.EngineError(self.sup.state.value, None, "", hint="metrics exist only while READY")
         try:
-            resp = await self.front.engine_get("/metrics")
-        except httpx.HTTPError as exc:
-            raise errors.EngineError(self.sup.state.value, None, f"/metrics: {exc}") from None
-        return resp.text
+            return await self.front.engine_get("/metrics")
+        except ENGINE_ERRORS as exc:
+            raise errors.EngineError(self.sup.state.value, None, f"/metrics: {exc!r}") from None
 
     # ---- hotplug ------------------------------------------------------------------------
     def on_hotplug(self, action: str) -> None:
