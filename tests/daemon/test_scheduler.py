@@ -85,3 +85,44 @@ def test_requests_that_get_no_byte_while_health_answers_are_a_hang_and_restart(b
     st = box.wait_status(lambda s: s["state"] == "READY" and s["restarts"] == 1)
     print(f"hung request answered 503 after {waited:.1f} s; engine restarted")
     assert st["engine_pid"] != first and not pid_alive(first)
+
+
+async def test_a_switch_waits_for_requests_in_flight_and_requests_queued_behind_it_do_not_cut_in(monkeypatch):
+    """Fake daemon: the order of admissions around a switch, decided by events only."""
+    models = {n: SimpleNamespace(name=n, names=(n,), up_model=f"/m/{n}") for n in ("a", "b")}
+    monkeypatch.setattr("exl3local.models.catalog.find", lambda name, profile: models.get(name))
+    ups: list[str] = []
+
+    async def up(req):
+        ups.append(req.model)
+        daemon.plan = SimpleNamespace(names=(req.model.rsplit("/", 1)[1],), profile=daemon.plan.profile)
+
+    sup = SimpleNamespace(state=EngineState.READY, ready_since=None, snapshot=lambda: {"engine_pid": None})
+    profile = SimpleNamespace(endpoint={"switch_wait": "60s"})
+    daemon = SimpleNamespace(sup=sup, plan=SimpleNamespace(names=("a",), profile=profile), _lock=asyncio.Lock(),
+                             engine_log=SimpleNamespace(mark=lambda text: None), last_request=None, up=up)
+    sched = Scheduler(daemon)
+    await sched.admit("a")  # served: in flight at once
+    assert sched.in_flight == 1
+    async def until(pred) -> None:  # the catalogue is read on a worker thread: wait for the state, not a time
+        for _ in range(1000):
+            if pred():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("never happened")
+
+    to_b = asyncio.ensure_future(sched.admit("b"))
+    await until(lambda: sched.switch_to == "b")
+    back_to_a = asyncio.ensure_future(sched.admit("a"))  # the served model, but queued behind the pending switch
+    await until(lambda: sched.waiting == 2)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert ups == [] and not to_b.done() and not back_to_a.done() and sched.in_flight == 1
+    sched.end()  # the request in flight ends: the switch goes on
+    await to_b
+    assert ups == ["/m/b"] and sched.in_flight == 1  # b's request was admitted before a's could switch back
+    await until(lambda: sched.switch_to == "a")
+    assert not back_to_a.done()  # a waits for b's request, as b waited for a's
+    sched.end()
+    await back_to_a
+    assert ups == ["/m/b", "/m/a"] and sched.in_flight == 1 and sched.waiting == 0
