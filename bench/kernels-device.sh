@@ -4,16 +4,8 @@
 # (exllamav3 + deps, device README's pip download flags) and .device-carry (shared/fixtures/exl3; and
 # ext/exllamav3_ext.so.part-* from an earlier run's $OUT, which skips the ~5 min build).
 set -u
-OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
-REPO=$PWD
-start=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-# exl3local.kernels maps to ./kernels only in an editable install; a shim package does the same here.
-mkdir -p /tmp/shim /tmp/ext && cp -r exl3local /tmp/shim/ && ln -sfn "$REPO/kernels" /tmp/shim/exl3local/kernels
-ls .device-carry/ext/exllamav3_ext.so.part-* >/dev/null 2>&1 && cat .device-carry/ext/exllamav3_ext.so.part-* >/tmp/ext/exllamav3_ext.so
-export PYTHONPATH=/tmp/shim:/tmp/site:/tmp/ext EXL3LOCAL_SHARED=$REPO/.device-carry/shared
-export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14 PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv
+source bench/device-setup.sh
+export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14
 BUILD=
 if [ ! -f /tmp/ext/exllamav3_ext.so ]; then
   (cd /tmp && setsid nohup python3 -c "import exllamav3.ext" >"$OUT/exl3_build.log" 2>&1 </dev/null) &

@@ -16,17 +16,21 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from exl3local.kernels import KernelSpec, prepare, reference
-from exl3local.kernels.bound import BoundLinear, bind_moe
-from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER
-from exl3local.kernels.triton_decode import decode_dense
-from exl3local.kernels.triton_gemm import reconstruct_gemm, right_reconstruct
-from exl3local.kernels.triton_gemv import choose_splits, gemv, ring_config, ring_dot_config, ring_dot_partials, ring_partials
-from exl3local.kernels.triton_hadamard import input_transform, output_transform
-from exl3local.kernels.triton_moe import moe_decode
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
+from step_timing import launches  # noqa: E402
+
+from exl3local.kernels import KernelSpec, prepare, reference  # noqa: E402
+from exl3local.kernels.bound import BoundLinear, bind_moe  # noqa: E402
+from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER  # noqa: E402
+from exl3local.kernels.triton_decode import decode_dense  # noqa: E402
+from exl3local.kernels.triton_gemm import reconstruct_gemm, right_reconstruct  # noqa: E402
+from exl3local.kernels.triton_gemv import choose_splits, gemv, ring_config, ring_dot_config, ring_dot_partials, ring_partials  # noqa: E402
+from exl3local.kernels.triton_hadamard import input_transform, output_transform  # noqa: E402
+from exl3local.kernels.triton_moe import moe_decode  # noqa: E402
 
 SHAPES_27B = [(5120, 5120), (5120, 1024), (5120, 17408), (17408, 5120)]
 SHAPES_OTHER = [(4096, 4096), (4096, 14336), (5120, 27648)]
@@ -77,20 +81,6 @@ def host_us(fn, calls: int = 100) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return 1e6 * elapsed / calls
-
-
-def launches(fn) -> int:
-    """Device work items (kernels, memsets, copies) one call enqueues, from the CUDA profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    if DEVICE[0] == "cpu":
-        return -1
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
 def bound_linear(trellis, suh, svh, bits, codebook):

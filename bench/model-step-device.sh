@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
-# One H200 call (docs/PERF.md "Model step"): the GPU tests, then bench/model_step.py twice in separate
-# processes (exllamav3 reads EXL3_INT8_GEMV once per process): ours + exllamav3's default, then exllamav3
-# with EXL3_INT8_GEMV=0. Carry: .whl (exllamav3 1.6.5 + deps) and .device-carry (ext/exllamav3_ext.so.part-*,
-# the prebuilt extension; shared/fixtures/exl3 for the tests). Logs and JSON go to $OUT.
+# One H200 call (docs/PERF.md "Model step"). Carry: .whl (exllamav3 1.6.5 + deps) and .device-carry
+# (ext/exllamav3_ext.so.part-*, the prebuilt extension of ../shared/device; shared/fixtures/exl3 for the tests).
+# Logs and JSON go to $OUT.
+#   PLAN=tiled (default): the GPU tests; flat vs shaped trellis-word loads per 27B linear group at M = 1, 16,
+#     K4 and K3 (bench/layers.py flat); the tiled path (more than 16 rows) against the reconstruct path and
+#     exllamav3 per linear group (bench/layers.py tiled: M = 32..256, split-K sweep at 64); whole steps of both
+#     models at M = 64, 32, 128 with and without it (bench/model_step.py --tiled 128).
+#   PLAN=step: every row count, ours + exllamav3's default, then exllamav3 with EXL3_INT8_GEMV=0 in a second
+#     process (it reads the variable once per process).
 set -u
-OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
-REPO=$PWD
-start=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-# exl3local.kernels maps to ./kernels only in an editable install; a shim package does the same here.
-mkdir -p /tmp/shim /tmp/ext && cp -r exl3local /tmp/shim/ && ln -sfn "$REPO/kernels" /tmp/shim/exl3local/kernels
-cat .device-carry/ext/exllamav3_ext.so.part-* >/tmp/ext/exllamav3_ext.so || exit 1
-export PYTHONPATH=/tmp/shim:/tmp/site:/tmp/ext EXL3LOCAL_SHARED=$REPO/.device-carry/shared
-export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv
-(cd /tmp && timeout ${TEST_SECONDS:-150} python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$REPO" \
-  -c "$REPO/pyproject.toml" ${TESTS:-"$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_triton_moe.py \
-  "$REPO"/tests/kernels/test_bound.py} 2>&1 | tail -15 | tee "$OUT/tests.log")
-echo "tests done at +$(( $(date +%s) - start )) s"
-run() { (cd /tmp && python3 -P "$REPO/bench/model_step.py" --out "$OUT" "$@"); }
-run --deadline $(( start + ${BENCH_SECONDS:-400} )) ${ARGS:-} 2>&1 | tee "$OUT/model_step.log" | grep -v '^{'
-echo "first run done at +$(( $(date +%s) - start )) s"
-EXL3_INT8_GEMV=0 run --no-ours --tag model_step_int8off --deadline $(( start + ${TOTAL_SECONDS:-540} )) ${ARGS:-} 2>&1 \
-  | tee "$OUT/model_step_int8off.log" | grep -v '^{'
+source bench/device-setup.sh
+[ -f /tmp/ext/exllamav3_ext.so ] || { echo "carry .device-carry/ext/exllamav3_ext.so.part-*"; exit 1; }
+tests() {
+  (cd /tmp && timeout ${TEST_SECONDS:-150} python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$REPO" \
+    -c "$REPO/pyproject.toml" "$@" 2>&1 | tail -15 | tee "$OUT/tests.log")
+  echo "tests done at +$(( $(date +%s) - start )) s"
+}
+run() { (cd /tmp && python3 -P "$REPO/bench/$1" --out "$OUT" "${@:2}"); }
+if [ "${PLAN:-tiled}" = tiled ]; then
+  tests "$REPO"/tests/kernels/test_bound.py "$REPO"/tests/kernels/test_triton_gpu.py \
+    "$REPO"/tests/kernels/test_selftest.py::test_tiled_path_is_checked_only_where_it_is_on
+  for bits in 4 3; do run layers.py flat --bits $bits 2>&1 | tee "$OUT/layers_flat_k$bits.log" | grep -v '^{'; done
+  run layers.py tiled --deadline $(( start + ${LAYERS_SECONDS:-330} )) 2>&1 | tee "$OUT/layers_tiled.log" | grep -v '^{'
+  echo "layers done at +$(( $(date +%s) - start )) s"
+  run model_step.py --tiled 128 --tag model_step_tiled --rows ${ROWS:-64,32,128} --deadline $(( start + ${TOTAL_SECONDS:-540} )) 2>&1 \
+    | tee "$OUT/model_step_tiled.log" | grep -v '^{'
+else
+  tests ${TESTS:-"$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_triton_moe.py \
+    "$REPO"/tests/kernels/test_bound.py}
+  run model_step.py --deadline $(( start + ${BENCH_SECONDS:-400} )) ${ARGS:-} 2>&1 | tee "$OUT/model_step.log" \
+    | grep -v '^{'
+  echo "first run done at +$(( $(date +%s) - start )) s"
+  EXL3_INT8_GEMV=0 run model_step.py --no-ours --tag model_step_int8off \
+    --deadline $(( start + ${TOTAL_SECONDS:-540} )) ${ARGS:-} 2>&1 | tee "$OUT/model_step_int8off.log" | grep -v '^{'
+fi
 echo "all done at +$(( $(date +%s) - start )) s"

@@ -22,6 +22,7 @@ grouped expert GEMM `exl3_mgemm` with device-side ids for ≤ MGEMM_MAX_TOKENS t
 tier), else per expert with LinearEXL3 over tokens binned on the host.
 
     python3 -P bench/model_step.py --out $OUT                         # on the H200 (bench/model-step-device.sh)
+    python3 -P bench/model_step.py --tiled 128 --rows 32,64,128       # + our linears on the tiled path (17+ rows)
     TRITON_INTERPRET=1 python -P bench/model_step.py --smoke          # CPU, tiny MoE model, ours only (CI smoke)
 """
 
@@ -32,13 +33,17 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from exl3local.kernels import KernelSpec, prepare, reference
-from exl3local.kernels.bound import BoundLinear
-from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER
-from exl3local.kernels.moe_layer import ExpertLayer, path_refusal, select_path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
+from exl3_side import MGEMM_MAX_TOKENS, Exl3Side  # noqa: E402
+from step_timing import DEVICE, GRAPH_MAX_ROWS, log, measure, sync  # noqa: E402
+
+from exl3local.kernels import KernelSpec, prepare, reference  # noqa: E402
+from exl3local.kernels.bound import BoundLinear, tiled_max_rows  # noqa: E402
+from exl3local.kernels.moe_layer import ExpertLayer, path_refusal, select_path  # noqa: E402
 
 MODELS = {
     "35b-a3b": dict(hidden=2048, layers=40, interval=4, heads=16, kv_heads=2, head_dim=256, lin_k_heads=16,
@@ -53,13 +58,7 @@ MODELS = {
                        lin_k_dim=128, lin_v_heads=1, lin_v_dim=128, inter=128),
 }
 ROWS = (1, 4, 16, 64, 512, 4096)
-GRAPH_MAX_ROWS = 64  # decode and verify steps are what graphs serve; prefill runs eager
-MGEMM_MAX_TOKENS = 64
-DEVICE = ["cuda"]
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
+TILED = [0]  # --tiled: each linear also bound with EXL3LOCAL_TILED_MAX_ROWS at this (its `tiled` layer)
 
 
 def layer_ops(cfg: dict, index: int) -> list[tuple]:
@@ -112,8 +111,27 @@ class Linear:
                                self.svh[n0:n0 + n]))
             t0, n0 = t0 + size, n0 + n
         kernels = [prepare(KernelSpec(k, n, bits, codebook, torch.float16), DEVICE[0], "triton") for n in parts]
-        self.ours = BoundLinear([(kern, *v, n) for kern, v, n in zip(kernels, self.views, parts)], k)
+        bound = [(kern, *v, n) for kern, v, n in zip(kernels, self.views, parts)]
+        self.ours = BoundLinear(bound, k)
         self.ours.reserve()
+        self.tiled = None
+        if TILED[0]:
+            self.tiled = with_tiled_rows(TILED[0], lambda: BoundLinear(bound, k))
+            self.tiled.reserve()
+
+
+def with_tiled_rows(rows: int, make):
+    """make() with EXL3LOCAL_TILED_MAX_ROWS=rows (read when launches are bound), the environment restored."""
+    old = os.environ.get("EXL3LOCAL_TILED_MAX_ROWS")
+    os.environ["EXL3LOCAL_TILED_MAX_ROWS"] = str(rows)
+    try:
+        assert tiled_max_rows() == max(rows, 16)
+        return make()
+    finally:
+        if old is None:
+            del os.environ["EXL3LOCAL_TILED_MAX_ROWS"]
+        else:
+            os.environ["EXL3LOCAL_TILED_MAX_ROWS"] = old
 
 
 class Experts:
@@ -134,94 +152,6 @@ class Experts:
         path = select_path(x.shape[0])
         assert path_refusal(path, x.shape[0]) is None
         return self.ours.run(path, x, weights, ids)
-
-
-class Exl3Side:
-    """exllamav3 1.6.5 on the same tensors: LinearEXL3 per part, exl3_mgemm / per-expert LinearEXL3 for MoE."""
-
-    def __init__(self) -> None:
-        self.error = None
-        try:
-            from exllamav3.ext import exllamav3_ext as ext
-            from exllamav3.modules.quant.exl3 import LinearEXL3
-
-            self.ext, self.cls = ext, LinearEXL3
-        except Exception as exc:  # noqa: BLE001 -- the bench reports why the column is empty
-            self.error = f"{type(exc).__name__}: {exc}"
-
-    def markers(self, codebook):
-        mcg = torch.tensor(MCG_MULTIPLIER - (1 << 32), dtype=torch.int32, device=DEVICE[0]) if codebook == "mcg" else None
-        mul1 = torch.tensor(MUL1_MULTIPLIER - (1 << 32), dtype=torch.int32, device=DEVICE[0]) if codebook == "mul1" else None
-        return mcg, mul1
-
-    def linear(self, trellis, suh, svh, codebook):
-        mcg, mul1 = self.markers(codebook)
-        return self.cls(None, suh.shape[0], svh.shape[0], suh=suh, svh=svh, trellis=trellis, mcg=mcg, mul1=mul1)
-
-    def bind_linear(self, lin: Linear, codebook: str):
-        mods = [self.linear(*v, codebook) for v in lin.views]
-
-        def call(x):
-            return [m.forward(x, {}) for m in mods]
-
-        return call
-
-    def bind_experts(self, ex: Experts, bits: float, codebook: str):
-        """exllamav3's grouped expert GEMM for few tokens; per-expert LinearEXL3 on host-binned rows above."""
-        E, hidden, inter, top_k = ex.experts, ex.hidden, ex.inter, ex.top_k
-        gate = ex.proj["gate"]
-        w13t = ex.w13[0].view(E, 2, *gate.trellis_shape)
-        projs = [(w13t[:, 0], ex.w13[1][:, 0], ex.w13[2][:, 0]), (w13t[:, 1], ex.w13[1][:, 1], ex.w13[2][:, 1]),
-                 ex.w2]
-        ptrs = [[torch.tensor([a[e].data_ptr() for e in range(E)], dtype=torch.long, device=DEVICE[0]) for a in p]
-                for p in projs]
-        mcg_flag, mul1_flag = codebook == "mcg", codebook == "mul1"
-        mods: dict[tuple[int, int], object] = {}
-
-        def module(e, i):
-            if (e, i) not in mods:
-                mods[(e, i)] = self.linear(projs[i][0][e], projs[i][1][e], projs[i][2][e], codebook)
-            return mods[(e, i)]
-
-        bufs: dict[int, tuple] = {}
-
-        def call(x, weights, ids):
-            tokens = x.shape[0]
-            slots = tokens * top_k
-            if tokens <= MGEMM_MAX_TOKENS:
-                if tokens not in bufs:
-                    half = dict(dtype=torch.half, device=DEVICE[0])
-                    bufs[tokens] = (torch.empty(slots, 1, inter, **half), torch.empty(slots, 1, inter, **half),
-                                    torch.empty(slots, 1, hidden, **half), torch.empty(slots, 1, hidden, **half),
-                                    torch.empty(slots, 1, inter, **half))
-                c_g, c_u, c_d, had_gu, had_d = bufs[tokens]
-                flat = ids.reshape(1, slots)
-                xa = x.repeat_interleave(top_k, 0).view(slots, 1, hidden)
-                for (tp, sp, vp), inp, c, had in ((ptrs[0], xa, c_g, had_gu), (ptrs[1], xa, c_u, had_gu)):
-                    self.ext.exl3_mgemm(inp, tp, c, sp, had, vp, flat, None, bits, -1, mcg_flag, mul1_flag, -1, -1, 0,
-                                        1, None, None)
-                a = (torch.nn.functional.silu(c_g) * c_u).view(slots, 1, inter)
-                tp, sp, vp = ptrs[2]
-                self.ext.exl3_mgemm(a, tp, c_d, sp, had_d, vp, flat, None, bits, -1, mcg_flag, mul1_flag, -1, -1, 0,
-                                    1, None, None)
-                return (c_d.view(tokens, top_k, hidden).float() * weights[..., None]).sum(1).half()
-            flat = ids.flatten()
-            order = torch.argsort(flat)
-            counts = torch.bincount(flat, minlength=E).tolist()
-            token_of = order // top_k
-            out = torch.zeros(tokens, hidden, dtype=torch.float, device=x.device)
-            start = 0
-            for e, n in enumerate(counts):
-                if n:
-                    rows = token_of[start:start + n]
-                    xe = x[rows]
-                    h = torch.nn.functional.silu(module(e, 0).forward(xe, {})) * module(e, 1).forward(xe, {})
-                    y = module(e, 2).forward(h.contiguous(), {}).float()
-                    out.index_add_(0, rows, y * weights.flatten()[order[start:start + n], None])
-                    start += n
-            return out.half()
-
-        return call
 
 
 def build(name: str, bits: float, codebook: str, exl3: Exl3Side | None):
@@ -249,7 +179,8 @@ def build(name: str, bits: float, codebook: str, exl3: Exl3Side | None):
 
 
 def step_fns(cfg, layers, rows: int):
-    """(ours, theirs) callables running one step's EXL3 work on fixed random inputs of `rows` rows."""
+    """(ours, theirs, ours_tiled) callables running one step's EXL3 work on fixed random inputs of `rows` rows
+    (ours_tiled: ours with every linear bound on the tiled path, MoE unchanged)."""
     gen = torch.Generator(device=DEVICE[0]).manual_seed(rows)
     xs: dict[int, torch.Tensor] = {}
 
@@ -269,27 +200,28 @@ def step_fns(cfg, layers, rows: int):
         for kind, obj, _ in ops:
             x_for(obj.k if kind == "linear" else obj.hidden)
 
-    ours_ops, theirs_ops, r = [], [], 0
+    ours_ops, theirs_ops, tiled_ops, r = [], [], [], 0
     for ops in layers:
         for kind, obj, fn in ops:
             if kind == "linear":
                 ours_ops.append(lambda obj=obj: obj.ours(xs[obj.k]))
                 theirs_ops.append(lambda obj=obj, fn=fn: fn(xs[obj.k]))
+                tiled_ops.append(lambda obj=obj: (obj.tiled or obj.ours)(xs[obj.k]))
             else:
                 ours_ops.append(lambda obj=obj, r=r: obj.run(xs[obj.hidden], *routing[r]))
                 theirs_ops.append(lambda obj=obj, fn=fn, r=r: fn(xs[obj.hidden], *routing[r]))
+                tiled_ops.append(ours_ops[-1])
                 r += 1
+    return tuple(runner(ops) for ops in (ours_ops, theirs_ops, tiled_ops))
 
-    def ours():
-        for op in ours_ops:
+
+def runner(ops):
+    def step():
+        for op in ops:
             op()
 
-    def theirs():
-        for op in theirs_ops:
-            op()
-
-    ours.ops, theirs.ops = ours_ops, theirs_ops  # host_us times them one by one
-    return ours, theirs
+    step.ops = ops  # host_us times them one by one
+    return step
 
 
 def agreement(cfg, layers, rows: int) -> dict:
@@ -301,6 +233,9 @@ def agreement(cfg, layers, rows: int) -> dict:
             if kind == "linear":
                 x = torch.randn(rows, obj.k, generator=gen, device=DEVICE[0]).half()
                 a, b = obj.ours(x), torch.cat(theirs(x), -1)
+                if obj.tiled is not None and 16 < rows <= TILED[0]:
+                    c = obj.tiled(x).double()
+                    out[f"tiled_{kind}{len(obj.parts)}x{obj.k}"] = round(((c - b).norm() / b.double().norm()).item(), 6)
             else:
                 x = torch.randn(rows, obj.hidden, generator=gen, device=DEVICE[0]).half()
                 w, ids = torch.topk(torch.softmax(torch.randn(rows, obj.experts, generator=gen, device=DEVICE[0]), -1),
@@ -308,127 +243,6 @@ def agreement(cfg, layers, rows: int) -> dict:
                 a, b = obj.run(x, w, ids), theirs(x, w, ids)
             name = kind if kind == "moe" else f"{kind}{len(obj.parts)}x{obj.k}"
             out[name] = round(((a.double() - b.double()).norm() / b.double().norm()).item(), 6)
-    return out
-
-
-def sync():
-    if DEVICE[0] == "cuda":
-        torch.cuda.synchronize()
-
-
-def eager_us(fn, min_s: float = 0.3, max_reps: int = 50) -> float:
-    """Wall-clock µs per step over back-to-back synchronised runs (after one warm-up step)."""
-    fn()
-    sync()
-    reps, start = 0, time.perf_counter()
-    while reps < max_reps and (reps < 2 or time.perf_counter() - start < min_s):
-        fn()
-        reps += 1
-    sync()
-    return 1e6 * (time.perf_counter() - start) / reps
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up on the capture stream (workspaces are per stream)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return 1e3 * start.elapsed_time(end) / reps
-
-
-def host_us(fn) -> float:
-    """CPU µs to issue one step while the GPU is kept busy, summed op by op: a whole step can hold more
-    launches than the launch queue, and a full queue would make the host wait on the device."""
-    fn.ops[0]()
-    torch.cuda.synchronize()
-    total = 0.0
-    for op in fn.ops:
-        torch.cuda._sleep(4_000_000)  # ~2 ms of GPU work queued ahead of this op's launches
-        start = time.perf_counter()
-        op()
-        total += time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * total
-
-
-def launches(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-
-
-def measure(fn, rows: int, graphs: bool) -> dict:
-    if DEVICE[0] != "cuda":  # the interpreter: one step, to check the step runs (its time means nothing)
-        start = time.perf_counter()
-        fn()
-        return {"eager_us": 1e6 * (time.perf_counter() - start)}
-    out = {"eager_us": eager_us(fn) if rows <= GRAPH_MAX_ROWS else eager_us(fn, min_s=0.0, max_reps=2)}
-    if rows <= GRAPH_MAX_ROWS:  # the profiler's cost grows with the step; prefill launches follow from the code
-        out["launches"] = launches(fn)
-    out["host_us"] = host_us(fn)
-    if graphs and rows <= GRAPH_MAX_ROWS:
-        try:
-            out["graph_us"] = graph_us(fn)
-        except Exception as exc:  # noqa: BLE001 -- a step that cannot be captured is a result too
-            out["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            torch.cuda.synchronize()
-    return out
-
-
-def bench_groups(rows_list, bits: float, codebook: str) -> list[dict]:
-    """Each distinct fused linear of both models, one GroupLaunch (2 launches) vs a FusedLaunch per part
-    (2 per part, the arrangement before GroupLaunch), same tensors, µs per call eager and graph."""
-    from exl3local.kernels.bound import FusedLaunch, GroupLaunch
-
-    gen = torch.Generator(device=DEVICE[0]).manual_seed(3)
-    shapes = {}
-    for name in ("35b-a3b", "27b"):
-        for i in (0, MODELS[name]["interval"] - 1):
-            for op in layer_ops(MODELS[name], i):
-                if op[0] == "linear" and len(op[3]) > 1:
-                    shapes[(op[2], tuple(op[3]))] = f"{name} {op[1]}"
-    out = []
-    for (k, parts), label in shapes.items():
-        lin = Linear(gen, k, list(parts), bits, codebook)
-        grouped = lin.ours
-        assert isinstance(grouped.launches[0][0], GroupLaunch)
-        split = BoundLinear(grouped.parts, k)
-        split.launches, start = [], 0
-        for _, t, su, sv, n in grouped.parts:
-            split.launches.append((FusedLaunch(t, su, sv, bits, codebook), start, n))
-            start += n
-        split.reserve()
-        for rows in rows_list:
-            x = torch.randn(rows, k, generator=gen, device=DEVICE[0]).half()
-            row = dict(kind="group", shape=label, k=k, parts=list(parts), rows=rows)
-            for tag, layer in (("grouped", grouped), ("per_part", split)):
-                row[f"{tag}_eager_us"] = eager_us(lambda layer=layer: layer(x), min_s=0.2, max_reps=2000)
-                row[f"{tag}_graph_us"] = graph_us(lambda layer=layer: layer(x), reps=200)
-            row["rel"] = round(((grouped(x).double() - split(x).double()).norm() / split(x).double().norm()).item(), 8)
-            out.append(row)
-            log(json.dumps(row))
-    log("\nfused layer                 M   grouped eager/graph µs   per-part eager/graph µs")
-    for r in out:
-        log(f"{r['shape']:26s} {r['rows']:3d}   {r['grouped_eager_us']:8.1f} {r['grouped_graph_us']:8.1f}   "
-            f"{r['per_part_eager_us']:8.1f} {r['per_part_graph_us']:8.1f}")
     return out
 
 
@@ -446,7 +260,10 @@ def main() -> int:
     parser.add_argument("--tag", default="model_step")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny models, ours only, eager only")
     parser.add_argument("--groups", action="store_true", help="only: fused layers grouped vs per part (GPU)")
+    parser.add_argument("--tiled", type=int, default=0, metavar="ROWS",
+                        help="also time our linears on the tiled path up to ROWS rows (ours_tiled; rows > 16)")
     args = parser.parse_args()
+    TILED[0] = args.tiled
     if args.smoke:
         DEVICE[0] = "cpu"
         args.no_exl3, args.no_graph = True, True
@@ -458,6 +275,8 @@ def main() -> int:
         log("bench/model_step.py needs a CUDA device (or --smoke for the CPU interpreter)")
         return 2
     if args.groups:
+        from layers import bench_groups
+
         results = bench_groups([1, 4, 16], args.bits, args.codebook)
         with open(os.path.join(args.out, f"{args.tag}_groups.json"), "w") as f:
             json.dump(results, f, indent=1)
@@ -483,11 +302,13 @@ def main() -> int:
                 if args.deadline and time.time() > args.deadline:
                     log(f"(skipping {name} M={rows}: past the deadline)")
                     continue
-                ours, theirs = step_fns(cfg, layers, rows)
+                ours, theirs, tiled = step_fns(cfg, layers, rows)
                 row = dict(model=name, rows=rows, bits=args.bits, codebook=args.codebook, exl3_mode=tag)
                 if not args.no_ours:
                     row["ours"] = measure(ours, rows, not args.no_graph)
-                if exl3 is not None and exl3.error is None and rows in (1, 4, 64):
+                    if 16 < rows <= TILED[0]:
+                        row["ours_tiled"] = measure(tiled, rows, not args.no_graph)
+                if exl3 is not None and exl3.error is None and (rows in (1, 4, 64) or 16 < rows <= TILED[0]):
                     try:
                         row["rel_ours_vs_exl3"] = agreement(cfg, layers, rows)
                     except Exception as exc:  # noqa: BLE001 -- report, keep going
@@ -510,20 +331,25 @@ def main() -> int:
 
 
 def table(results: list[dict]) -> None:
+    """One line per (model, M); a second, `tiled`, where our linears were also timed on the tiled path."""
     log("\nmodel     M     ours eager / graph / host µs, launches | exl3 eager / graph / host µs, launches | ratio e/g")
+
+    def cells(d):
+        return (f"{d.get('eager_us', float('nan')):9.0f} {d.get('graph_us', float('nan')):8.0f} "
+                f"{d.get('host_us', float('nan')):8.0f} {d.get('launches', -1):6d}")
+
+    def ratio(o, e):
+        if not (o and e):
+            return ""
+        text = f"{e['eager_us'] / o['eager_us']:.2f}"
+        return text + (f" / {e['graph_us'] / o['graph_us']:.2f}" if "graph_us" in o and "graph_us" in e else "")
+
     for r in results:
         o, e = r.get("ours", {}), r.get("exl3", {})
-
-        def cells(d):
-            return (f"{d.get('eager_us', float('nan')):9.0f} {d.get('graph_us', float('nan')):8.0f} "
-                    f"{d.get('host_us', float('nan')):8.0f} {d.get('launches', -1):6d}")
-
-        ratio = ""
-        if o and e:
-            ratio = f"{e['eager_us'] / o['eager_us']:.2f}"
-            if "graph_us" in o and "graph_us" in e:
-                ratio += f" / {e['graph_us'] / o['graph_us']:.2f}"
-        log(f"{r['model']:9s} {r['rows']:5d} {cells(o) if o else '-':>40s} | {cells(e) if e else '-':>40s} | {ratio}")
+        log(f"{r['model']:9s} {r['rows']:5d} {cells(o) if o else '-':>40s} | {cells(e) if e else '-':>40s} | "
+            f"{ratio(o, e)}")
+        if "ours_tiled" in r:
+            log(f"{'  tiled':15s} {cells(r['ours_tiled']):>40s} | {'':40s} | {ratio(r['ours_tiled'], e)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""Timing of one model step or one layer call on the GPU, shared by bench/model_step.py and bench/layers.py:
+eager wall clock over back-to-back synchronised runs, CUDA-graph replay, host time with the GPU kept busy,
+device launches from the CUDA profiler. On the CPU (the interpreter smoke run) only one eager call is timed."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+DEVICE = ["cuda"]  # "cpu" for the interpreter smoke run
+GRAPH_MAX_ROWS = 64  # decode and verify steps are what graphs serve; prefill runs eager
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def sync():
+    if DEVICE[0] == "cuda":
+        torch.cuda.synchronize()
+
+
+def eager_us(fn, min_s: float = 0.3, max_reps: int = 50) -> float:
+    """Wall-clock µs per step over back-to-back synchronised runs (after one warm-up step)."""
+    fn()
+    sync()
+    reps, start = 0, time.perf_counter()
+    while reps < max_reps and (reps < 2 or time.perf_counter() - start < min_s):
+        fn()
+        reps += 1
+    sync()
+    return 1e6 * (time.perf_counter() - start) / reps
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the capture stream (workspaces are per stream)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return 1e3 * start.elapsed_time(end) / reps
+
+
+def host_us(fn) -> float:
+    """CPU µs to issue one step while the GPU is kept busy, summed op by op: a whole step can hold more
+    launches than the launch queue, and a full queue would make the host wait on the device."""
+    fn.ops[0]()
+    torch.cuda.synchronize()
+    total = 0.0
+    for op in fn.ops:
+        torch.cuda._sleep(4_000_000)  # ~2 ms of GPU work queued ahead of this op's launches
+        start = time.perf_counter()
+        op()
+        total += time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * total
+
+
+def launches(fn) -> int:
+    """Device work items (kernels, memsets, copies) one call enqueues, from the CUDA profiler (-1 without CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEVICE[0] != "cuda" or not torch.cuda.is_available():
+        return -1
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def measure(fn, rows: int, graphs: bool) -> dict:
+    if DEVICE[0] != "cuda":  # the interpreter: one step, to check the step runs (its time means nothing)
+        start = time.perf_counter()
+        fn()
+        return {"eager_us": 1e6 * (time.perf_counter() - start)}
+    out = {"eager_us": eager_us(fn) if rows <= GRAPH_MAX_ROWS else eager_us(fn, min_s=0.0, max_reps=2)}
+    if rows <= GRAPH_MAX_ROWS:  # the profiler's cost grows with the step; prefill launches follow from the code
+        out["launches"] = launches(fn)
+    out["host_us"] = host_us(fn)
+    if graphs and rows <= GRAPH_MAX_ROWS:
+        try:
+            out["graph_us"] = graph_us(fn)
+        except Exception as exc:  # noqa: BLE001 -- a step that cannot be captured is a result too
+            out["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            torch.cuda.synchronize()
+    return out
