@@ -36,6 +36,10 @@ from exl3local.kernels.triton_hadamard import input_transform, output_transform
 # Programs per compute unit that split-K aims for: 4.5 picks the best measured split on all four 27B decode
 # shapes on the H200 (docs/perf/h200-v3b-sweep.log: 8 splits at 5120x17408, 16 at 5120x5120 and 17408x5120).
 SPLIT_TARGET_PROGRAMS_PER_CORE = 4.5
+# On XPU (Arc review #8, unverified on Arc): an Xe2 core runs 64 hardware threads (8 vector engines × 8) and a 4-warp
+# program is 4 of them (16-wide sub-groups), so 16 programs fill a core (8 once IGC recompiles with the large
+# register file); 4.5 left it about a quarter occupied.
+XPU_PROGRAMS_PER_CORE = 16.0
 # Ring dot (BNT, KT, warps) per super-lane width G (1: K=4,8; 2: K=2,6; 4: K=1,3,5,7; 8: half rates): KT·BNT·32/G
 # decoded weights per position must cover the threads, or the decode is replicated (G=4 at KT=1 ran 2x
 # slower). Best measured at 16 rows on the H200 (h200-v3b-sweep.log); G=8 is an unmeasured extrapolation.
@@ -82,9 +86,11 @@ def compute_units(device: torch.device) -> int:
     return 1  # the interpreter: few programs keep CI fast (tests force split-K explicitly)
 
 
-def choose_splits(blocks: int, k_steps: int, device: torch.device,
-                  per_core: float = SPLIT_TARGET_PROGRAMS_PER_CORE) -> int:
-    """Smallest power-of-two split of the K loop (dividing k_steps) that reaches per_core programs per unit."""
+def choose_splits(blocks: int, k_steps: int, device: torch.device, per_core: float | None = None) -> int:
+    """Smallest power-of-two split of the K loop (dividing k_steps) that reaches per_core programs per unit
+    (default: SPLIT_TARGET_PROGRAMS_PER_CORE, XPU_PROGRAMS_PER_CORE on XPU)."""
+    if per_core is None:
+        per_core = XPU_PROGRAMS_PER_CORE if device.type == "xpu" else SPLIT_TARGET_PROGRAMS_PER_CORE
     target = per_core * compute_units(device)
     splits = 1
     while blocks * splits < target and k_steps % (splits * 2) == 0:

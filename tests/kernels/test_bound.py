@@ -248,3 +248,14 @@ def test_very_wide_fused_layers_keep_a_launch_pair_per_part(kernel_device):
 
     assert isinstance(layer(GROUP_MAX_BLOCKS * 64).launches[0][0], GroupLaunch)
     assert len(layer(GROUP_MAX_BLOCKS * 64 + 128).launches) == 2
+
+
+def test_split_k_fills_an_xe2_core_with_sixteen_programs(monkeypatch):
+    """The split-K target per compute unit: 4.5 programs on CUDA (measured on the H200), 16 on XPU (an Xe2 core's
+    64 hardware threads, 4 per program; Arc review #8)."""
+    from exl3local.kernels import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "compute_units", lambda device: 32)  # a B70's Xe cores
+    assert triton_gemv.choose_splits(136, 320, torch.device("cuda")) == 2  # 272 programs >= 4.5 x 32
+    assert triton_gemv.choose_splits(136, 320, torch.device("xpu")) == 4  # 544 >= 16 x 32
+    assert triton_gemv.choose_splits(136, 320, torch.device("xpu"), per_core=2) == 1
