@@ -295,10 +295,10 @@ def bench_splits(shapes) -> None:
             variants = {}
             for splits in sorted({default, max(1, default // 2), max(1, default // 4)}, reverse=True):
                 launch.splits[1] = (splits, launch.k_steps // splits)
-                launch.plans.clear()  # plans hold the grid of the split count they were made with
+                launch.replan()  # plans and direct-launch templates hold the split count they were made with
                 variants[splits] = timed(lambda: bound(x), graph=True)
             launch.splits[1] = (default, launch.k_steps // default)
-            launch.plans.clear()
+            launch.replan()
             RESULTS.append(dict(kind="splits", k=k, n=n, m=m, default=default, variants=variants))
             log(f"{k}x{n} M={m}: " + ", ".join(f"{sp} splits {us:.1f}" for sp, us in variants.items()))
 

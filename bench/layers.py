@@ -62,11 +62,11 @@ def sweep_splits(layer: BoundLinear, x: torch.Tensor) -> dict[str, float]:
             continue
         for launch in launches:
             launch.tiled_splits[m_blocks] = (splits, launch.tiled_fixed["k_steps"] // splits)
-            launch.plans.clear()
+            launch.replan()
         out[str(splits)] = graph_us(lambda: layer(x), reps=50)
     for launch in launches:
         launch.tiled_splits.pop(m_blocks)
-        launch.plans.clear()
+        launch.replan()
     return out
 
 
@@ -127,7 +127,7 @@ def bench_flat(rows_list, bits: float, codebook: str, deadline: float = 0) -> li
             for flat in (True, False):
                 for launch in launches:
                     launch.fused_fixed["FLAT"] = flat
-                    launch.plans.clear()
+                    launch.replan()
                 row[f"flat{int(flat)}_graph_us"] = graph_us(lambda: lin.ours(x), reps=100)
                 ys.append(lin.ours(x))
             row["same_bits"] = bool(torch.equal(ys[0], ys[1]))

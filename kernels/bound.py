@@ -115,6 +115,14 @@ class FusedLaunch:
             split = self.splits[m_blocks] = (splits, self.k_steps // splits)
         return split
 
+    def replan(self) -> None:
+        """Forget the call plans and the direct launches' argument templates, after a change to the fixed
+        arguments (splits, FLAT: the bench's sweeps); the next call of each signature binds afresh."""
+        self.plans.clear()
+        for launch in (self.input, self.fused, self.tiled, self.fma):
+            if launch is not None:
+                launch.compiled.clear()
+
     def tiled_split_for(self, m_blocks: int) -> tuple[int, int]:
         """(splits, K steps per split) of the tiled path for m_blocks row tiles."""
         split = self.tiled_splits.get(m_blocks)

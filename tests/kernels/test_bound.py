@@ -38,6 +38,24 @@ def test_fused_matches_emulation_with_and_without_split_k(make_layer, emulate, r
     assert counters_clear()  # the last split reset its block's counter for the next launch
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch exists on compiled devices only")
+def test_replan_rebinds_a_changed_split_count(make_layer, emulate, relative_error, kernel_device):
+    """A bench sweep changes the fixed arguments (here 2 splits -> 1) and calls replan(): on a compiled device the
+    direct launch's argument template would otherwise keep the old split and sum half of K."""
+    trellis, suh, svh = make_layer(256, 128, 4, "mul1", seed=11)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(11)).to(kernel_device)
+    launch = FusedLaunch(trellis, suh, svh, 4, "mul1")
+    launch.splits[1] = (2, launch.k_steps // 2)
+    y = torch.empty(3, 128, device=kernel_device)
+    for _ in range(2):  # the second call runs through the direct launch where there is one
+        launch.launch(x, y, 3)
+    launch.splits[1] = (1, launch.k_steps)
+    launch.replan()
+    launch.launch(x, y, 3)
+    assert relative_error(y, emulate(x, trellis, suh, svh, 4, "mul1")) < FP32_NOISE
+    assert counters_clear()
+
+
 @pytest.mark.parametrize("codebook,bits", [("mcg", 3), ("mul1", 8)])
 def test_flat_and_shaped_word_loads_give_the_same_bits(make_layer, kernel_device, codebook, bits):
     """The trellis words loaded through flat indices (lane-linear, the default) or as [KT, BNT, 32/G] tensors
