@@ -120,6 +120,8 @@ def _keeps_current_model(req: UpRequest) -> bool:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    if args.keep_alive is not None:
+        args.set = [*(args.set or []), f"endpoint.keep_alive={args.keep_alive}"]
     if args.dry_run:  # starts nothing, downloads nothing: commands/machine.py prints the plan
         from exl3local.commands.dry_run import dry_run  # lazy: loads the daemon's planning code only when asked
 
@@ -186,6 +188,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help=f"port of the OpenAI endpoint on 127.0.0.1 (default {env.ENGINE_PORT.get()}"
                    f"{', from ' if env.ENGINE_PORT.name in os.environ else ': set '}{env.ENGINE_PORT.name})")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one profile setting (repeatable)")
+    p.add_argument("--keep-alive", metavar="DURATION", help="unload the engine after this long without a request "
+                   "(15s, 5m, 1h, never; the same as --set endpoint.keep_alive=DURATION); a request's own "
+                   "keep_alive field overrides it until the next up")
     p.add_argument("--demo", action="store_true", help="serve the tiny EXL3 demo model bundled in the package (it writes "
                    "nonsense by design: a plumbing check)")
     p.add_argument("--foreground", action="store_true", help="run the daemon in this terminal; Ctrl-C stops all")

@@ -57,16 +57,16 @@ def openai_error(status: int, message: str, kind: str, retry_after_s: int | None
                         headers=headers)
 
 
-def requested_model(method: str, body: bytes) -> str | None:
-    """The `model` a JSON request body names (None: none named, or not JSON: vLLM answers for those)."""
-    if method != "POST" or b'"model"' not in body:
-        return None
+def request_fields(method: str, body: bytes) -> dict[str, Any]:
+    """The `model` and `keep_alive` (Ollama's per-request field) a JSON request body gives; empty when it gives
+    neither or is not JSON (vLLM answers for those)."""
+    if method != "POST" or (b'"model"' not in body and b'"keep_alive"' not in body):
+        return {}
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        return None
-    model = data.get("model") if isinstance(data, dict) else None
-    return model if isinstance(model, str) else None
+        return {}
+    return {k: data[k] for k in ("model", "keep_alive") if k in data} if isinstance(data, dict) else {}
 
 
 class _Forwarded(StreamingResponse):
@@ -195,7 +195,13 @@ class Front:
             return await self._models(request.url.path)
         body = await request.body()
         scheduler = self.daemon.scheduler
-        model = requested_model(request.method, body)
+        fields = request_fields(request.method, body)
+        model = fields.get("model") if isinstance(fields.get("model"), str) else None
+        if "keep_alive" in fields:
+            try:
+                keep_alive = scheduler.parse_keep_alive(fields["keep_alive"])
+            except ValueError as exc:
+                return openai_error(400, f"keep_alive: {exc}", "BadRequestError", param="keep_alive")
         try:
             # another installed model: the engine switches to it; an IDLE engine starts again; either way the
             # request waits for READY, and is in flight from here (a switch asked for later waits for it)
@@ -204,6 +210,8 @@ class Front:
             return openai_error(404, str(exc), "NotFoundError", param="model")
         except SwitchRefused as exc:
             return openai_error(503, str(exc), "service_unavailable", retry_after_s=exc.retry_after_s)
+        if "keep_alive" in fields:
+            scheduler.keep_alive_from_request(keep_alive)  # after admit: a switch resets it to the profile's
         try:
             refused = self._not_ready()
             if refused is not None:

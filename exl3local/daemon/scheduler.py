@@ -44,6 +44,9 @@ DEFAULT_SWITCH_WAIT = "60s"
 BUSY_RETRY_S = 5  # Retry-After when a switch is refused: the requests in flight may take any time to end
 
 
+_PROFILE = object()  # no request has set keep_alive: the profile's holds
+
+
 class UnknownModel(Exception):
     """The request names no installed model."""
 
@@ -70,6 +73,7 @@ class Scheduler:
         self.idle_since: float | None = None  # unix time of the unload, while IDLE
         self.freed_bytes: int | None = None
         self.waiting = 0  # requests in admit(): queued behind a switch or waiting for READY
+        self.requested_keep_alive: float | None | object = _PROFILE  # a request's keep_alive, else the profile's
         self._switch: asyncio.Future[None] | None = None
         self._switch_model: catalog.Installed | None = None
         self._drained = asyncio.Event()  # set while nothing is in flight
@@ -77,8 +81,23 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
 
     def keep_alive_s(self) -> float | None:
+        if self.requested_keep_alive is not _PROFILE:
+            return self.requested_keep_alive
         plan = self.daemon.plan
         return None if plan is None else parse_duration(plan.profile.endpoint.get("keep_alive", "never"))
+
+    @staticmethod
+    def parse_keep_alive(value: Any) -> float | None:
+        """A request's `keep_alive` as Ollama takes it: a duration ("5m"), seconds, 0 (unload once idle), a
+        negative number or "never" (keep loaded). ValueError for anything else."""
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            return None
+        return parse_duration(value)
+
+    def keep_alive_from_request(self, seconds: float | None) -> None:
+        """A request said how long to keep the model after it: that holds until another request says
+        otherwise, or a user action (up, restart, stop) or a switch brings the profile's back."""
+        self.requested_keep_alive = seconds
 
     def progress_timeout_s(self) -> float | None:
         plan = self.daemon.plan
@@ -102,6 +121,7 @@ class Scheduler:
     def reset(self) -> None:
         """A user action (up, restart, stop) decided the engine's state: no longer IDLE."""
         self.idle_since = self.freed_bytes = None
+        self.requested_keep_alive = _PROFILE
         self.last_active = self.clock()
 
     def start(self) -> None:

@@ -46,6 +46,18 @@ def test_an_idle_engine_is_unloaded_and_the_next_request_wakes_it(box, tiny_mode
     assert len(box.engines()) == 2 and st["restarts"] == 0
 
 
+def test_a_requests_keep_alive_overrides_the_profiles_and_up_keep_alive_sets_it(box, tiny_models):
+    up = box.cli("up", str(tiny_models[TINY]), "--keep-alive", "1h")
+    assert up.returncode == 0, up.stderr
+    assert box.wait_status(lambda s: s["state"] == "READY")["keep_alive_s"] == 3600
+    url = f"http://127.0.0.1:{box.engine_port}/v1/completions"
+    bad = httpx.post(url, json={"model": TINY, "prompt": "x", "keep_alive": "soon"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive", bad.text
+    assert httpx.post(url, json={"model": TINY, "prompt": "x", "keep_alive": "1s"}, timeout=30).status_code == 200
+    idle = box.wait_status(lambda s: s["state"] == "IDLE", timeout=30)  # Ollama's field, forwarded unchanged
+    assert idle["keep_alive_s"] == 1 and idle["engine_pid"] is None
+
+
 async def test_no_unload_while_a_request_is_in_flight():
     stopped = []
     clock = SimpleNamespace(now=0.0)
