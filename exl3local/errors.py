@@ -78,3 +78,7 @@ class DaemonUnavailable(Exl3Error):
     """The daemon's API is not reachable (raised from httpx.ConnectError)."""
 
     exit_code = 8
+
+
+class DaemonTooSlow(DaemonUnavailable):
+    """Connected, but the daemon did not answer in time."""

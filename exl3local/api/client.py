@@ -42,6 +42,9 @@ DEFAULT_TIMEOUT_S = 5.0
 # reported through /api/status. Checks read safetensors headers only, but a slow disk can take a while.
 UP_TIMEOUT_S = 60.0
 POLL_S = 0.25
+# While an engine starts, the machine can be too busy (imports, a first compile on every core) for one status
+# answer to come within DEFAULT_TIMEOUT_S; waiting for READY gives up only when none came for this long.
+WAIT_PATIENCE_S = 60.0
 ERROR_TAIL_LINES = 20  # of the engine's output in an EngineError: the cause is in last_error's first line
 
 
@@ -160,9 +163,9 @@ def _unavailable(base_url: str, exc: Exception) -> errors.DaemonUnavailable:
     )
 
 
-def _too_slow(base_url: str, call: _Call) -> errors.DaemonUnavailable:
+def _too_slow(base_url: str, call: _Call) -> errors.DaemonTooSlow:
     """Connected, but no answer in time: a busy or hung daemon is as unusable as a missing one."""
-    return errors.DaemonUnavailable(
+    return errors.DaemonTooSlow(
         f"the exl3local daemon at {base_url} did not answer {call.method} {PREFIX}{call.path} in time",
         hint="see `exl3local logs` and the daemon log; `exl3local down` then `up` restarts it",
     )
@@ -311,9 +314,17 @@ class DaemonClient(_Core):
     ) -> DaemonStatus:
         """Poll until READY (or IDLE: a short keep-alive already gave the memory back; the next request
         starts it again). FAILED (or STOPPED: someone ran `down`) raises EngineError with the stderr
-        tail. There is no deadline here: the daemon's supervisor owns the stall timeout."""
+        tail. There is no deadline here: the daemon's supervisor owns the stall timeout; a daemon that answers
+        no status poll for WAIT_PATIENCE_S raises DaemonTooSlow."""
+        answered = time.monotonic()
         while True:
-            st = self.status()
+            try:
+                st = self.status()
+            except errors.DaemonTooSlow:
+                if time.monotonic() - answered > WAIT_PATIENCE_S:
+                    raise
+                continue
+            answered = time.monotonic()
             if on_progress:
                 on_progress(st)
             if st.state in (EngineState.READY, EngineState.IDLE):

@@ -54,6 +54,23 @@ def test_wait_ready_raises_gave_up_with_the_tail():
     assert "ValueError: x" in str(err.value) and "exited 1" in str(err.value)
 
 
+def test_wait_ready_outlasts_slow_status_answers_but_not_a_silent_daemon(monkeypatch):
+    """A start can keep the machine too busy for one status answer to come in time; that is not a failure."""
+    answers = iter([httpx.ReadTimeout("busy"), httpx.ReadTimeout("busy"),
+                    httpx.Response(200, json={"state": "READY", "engine_pid": 7})])
+
+    def handler(req):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert _client(handler).wait_ready(poll_s=0).state == EngineState.READY
+    monkeypatch.setattr(api, "WAIT_PATIENCE_S", 0.05)
+    with pytest.raises(errors.DaemonTooSlow, match="did not answer"):
+        _client(lambda r: (_ for _ in ()).throw(httpx.ReadTimeout("hung"))).wait_ready(poll_s=0)
+
+
 def test_the_engine_log_carries_the_token_and_status_does_not():
     seen = {}
 
