@@ -25,8 +25,8 @@ SERVED_SIGNIFICANT_BITS = 8
 
 def margin_gate(top1_logit: float) -> float:
     """The oracle margin above which our top-1 must agree, at a position whose top-1 logit is `top1_logit`."""
-    step = 2.0 ** (math.floor(math.log2(max(abs(top1_logit), 1e-30))) - (SERVED_SIGNIFICANT_BITS - 1))
-    return MARGIN_GATE + 2 * step
+    _, exponent = math.frexp(top1_logit)  # |top1_logit| in [2**(exponent-1), 2**exponent)
+    return MARGIN_GATE + 2 * math.ldexp(1.0, exponent - SERVED_SIGNIFICANT_BITS)
 
 
 def greedy_gate(oracle: dict, seq: str) -> float:
