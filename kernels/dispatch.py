@@ -16,7 +16,6 @@ the same for one MoE projection.
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -24,26 +23,13 @@ import torch
 
 from exl3local import env
 from exl3local.errors import NoKernelError
+from exl3local.kernel_paths import KernelPath
 from exl3local.kernels import reference
 from exl3local.kernels.codebook import CODEBOOKS
 from exl3local.kernels.hadamard import HADAMARD_BLOCK
 
 BACKENDS = ("triton", "triton_dense", "cpu", "reference")
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-class KernelPath(enum.StrEnum):
-    """Every path an EXL3 matmul can take. Closed: the trace and the dashboard key on these names."""
-
-    GEMV = "gemv"  # decode in registers: 16-row tiles, and 64-row tiles up to EXL3LOCAL_TILED_MAX_ROWS
-    RECONSTRUCT_GEMM = "reconstruct_gemm"  # decode the dense weight once per call, then a torch matmul
-    MOE_DECODE = "moe_decode"  # grouped (token, expert) units, one launch per projection
-    MOE_VERIFY = "moe_verify"  # a few tokens (speculative verify) through the grouped kernel
-    MOE_GROUPED = "moe_grouped"  # tokens sorted by expert, per-expert GEMM tiles
-    MOE_BATCHED = "moe_batched"  # per-expert loop over dense reconstructions (large batches)
-    CPU_GEMV = "cpu_gemv"  # kernels/cpu: one pass over the trellis, decoded in vector registers (few rows)
-    CPU_GEMM = "cpu_gemm"  # kernels/cpu: decode a strip of columns once, then torch's BLAS (prefill)
-    REFERENCE = "reference"  # kernels/reference.py: the spec, slow, any device
 
 
 @dataclass(frozen=True)

@@ -19,21 +19,10 @@ from typing import Any
 
 import psutil
 
+from exl3local.kernel_paths import KernelPath
 from exl3local.plugin import trace
 
-# The closed list of kernels.dispatch.KernelPath values, copied because dispatch imports torch
-# and the daemon must not; tests/engine/test_stats.py checks the two stay equal.
-KNOWN_PATHS = (
-    "gemv",
-    "reconstruct_gemm",
-    "moe_decode",
-    "moe_verify",
-    "moe_grouped",
-    "moe_batched",
-    "cpu_gemv",
-    "cpu_gemm",
-    "reference",
-)
+KNOWN_PATHS = tuple(path.value for path in KernelPath)
 # Reaching the reference decoder on a GPU means no fast kernel accepted those layers. On the CPU it serves
 # where the C++ kernel cannot be built (kernels.dispatch.CANDIDATES["cpu"]), so there it is not painted red.
 FALLBACK_PATHS = frozenset({"reference"})

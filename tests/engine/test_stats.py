@@ -120,7 +120,3 @@ def test_kernel_summary_reads_what_trace_writes(tmp_path):
     assert (rows["gemv"]["calls"], rows["gemv"]["tokens"]) == (2, 2)
     assert (rows["reconstruct_gemm"]["calls"], rows["reconstruct_gemm"]["tokens"]) == (1, 16)
 
-
-def test_known_paths_match_the_kernel_path_enum():
-    dispatch = pytest.importorskip("exl3local.kernels.dispatch")
-    assert engine_stats.KNOWN_PATHS == tuple(p.value for p in dispatch.KernelPath)
