@@ -46,7 +46,7 @@ KERNEL_SELFTEST = EnvVar(
 TILED_MAX_ROWS = EnvVar(
     "EXL3LOCAL_TILED_MAX_ROWS", "16",
     "Triton: rows up to which EXL3 linears decode on chip in 64-row tiles instead of rebuilding fp16 weights per call "
-    "(16 or less: off; unmeasured, see docs/PERF.md)",
+    "(16 or less: off, the default: slower than the rebuild on the H200, see docs/PERF.md)",
 )
 # Triton's own switch, read here so kernel choice knows Triton will run in its CPU interpreter (CI).
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's: run Triton kernels in its CPU interpreter")

@@ -130,7 +130,8 @@ GEMV_MAX_ROWS = 16  # one 16-row dot tile: triton_fused, one launch per projecti
 # From 17 rows the dense W_r once per call + vendor matmul (triton_gemm) serves by default: row tiles decoded on
 # chip (gemv with a 32/64-row tile at 4 warps) lost to it at every M >= 32 measured (5120x17408: 274 vs 209 µs at
 # M=32, 492 vs 207 at 64, 841 vs 208 at 128; docs/perf/h200-v3-bench.log). The tiled path (bound.py: 64-row tiles
-# at 8 warps, split-K for occupancy) serves up to EXL3LOCAL_TILED_MAX_ROWS rows when set; unmeasured, so off.
+# at 8 warps, split-K for occupancy) serves up to EXL3LOCAL_TILED_MAX_ROWS rows when set; off, because its whole
+# steps lost or tied at M = 32, 64, 128 on both models (27B M = 64: 72.0 vs 59.8 ms graph; docs/PERF.md).
 
 
 class TritonLinearKernel(Exl3Kernel):
