@@ -218,7 +218,9 @@ def ring_tiles(tn0, tiles_n, KT: tl.constexpr, BNT: tl.constexpr, W32: tl.conste
     """(tile_off, s): the word offset of each super-lane's tile (KT tile rows × BNT tiles from tile column tn0,
     relative to the first tile row's base) and its super-lane index, as ring_operand takes them. FLAT: both
     flat over [KT, BNT, 32/G], super-lanes fastest, so every word load runs lane-linear (_ring_word); else
-    tile_off [KT, BNT, 1] and s [1, 1, 32/G], laid out as the compiler sees fit."""
+    tile_off [KT, BNT, 1] and s [1, 1, 32/G], laid out as the compiler sees fit. FLAT is the default: faster in 18
+    of 20 27B cells on the H200 (K4, K3; M = 1, 16), slower only for K4 in_proj_qkvz's grouped launch (72 registers
+    against 56: docs/PERF.md "Session 7")."""
     S: tl.constexpr = 32 // G
     if FLAT:
         f = tl.arange(0, KT * BNT * S)

@@ -58,16 +58,18 @@ def ring_dot_config(bits: float) -> tuple[int, int, int]:
     return RING_DOT_CONFIGS[lanes_per_superlane(bits)]
 
 
-# The tiled path (more than 16 rows, kernels/bound.py; opt-in until measured): the same fused kernel with 64-row
-# dot tiles, so each weight is decoded once per 64 rows instead of being rebuilt in fp16 per call. 8 warps: at 64
-# rows 4 warps needed 196 registers per thread (local sm_90 compile, Triton 3.9: 2 programs, 8 warps per SM),
-# 8 warps 114 (K4), 128 (K2/3/6/8). KT = G tile rows per step, so one position's [KT, 8, 32/G] decode covers the
-# 256 threads; half rates (G = 8) stop at KT = 4 (KT = 8 took 254 registers, 4 takes 189: one program per SM).
-# Split-K aims at TILED_PROGRAMS_PER_CORE programs per compute unit (what fits at that register count on
-# sm_90) rather than 4.5: every extra split adds rows·n fp32 of partials. All unmeasured (PERF.md, issue 21 note).
+# The tiled path (more than 16 rows, kernels/bound.py; off by default: it lost to the reconstruct path at model
+# level on the H200, docs/PERF.md "Session 7"): the same fused kernel with 64-row dot tiles, so each weight is decoded
+# once per 64 rows instead of being rebuilt in fp16 per call. 8 warps: at 64 rows 4 warps needed 196 registers per
+# thread (local sm_90 compile: 2 programs, 8 warps per SM), 8 warps 114 (K4), 128 (K2/3/6/8). KT = G tile rows per
+# step, so one position's [KT, 8, 32/G] decode covers the 256 threads; half rates (G = 8) stop at KT = 4 (KT = 8
+# took 254 registers, 4 takes 189: one program per SM).
+# Split-K aims at one program per SM: in the H200 sweep at 64 rows (h200-s7-layers-tiled.log) that picks the best
+# swept split in 6 of the 7 layers it decides among swept counts; the earlier 2 per SM picked none. 27B gate_up
+# (136 blocks) loses 6 % with it (wave quantisation: 2 per SM resident, so 2 splits ran two waves).
 TILE_ROWS = 64
 TILED_WARPS = 8
-TILED_PROGRAMS_PER_CORE = 2.0
+TILED_PROGRAMS_PER_CORE = 1.0
 
 
 def tiled_config(bits: float) -> tuple[int, int]:
