@@ -38,6 +38,10 @@ DECODE_ONCE = EnvVar(
 DISABLED_KERNELS = EnvVar(
     "EXL3LOCAL_DISABLED_KERNELS", "", "comma-separated EXL3 kernel class names to skip (e.g. TritonLinearKernel)"
 )
+CPU_INT8 = EnvVar(
+    "EXL3LOCAL_CPU_INT8", "0",
+    "CPU kernel: int8 activations for mul1 layers at decode (opt-in, faster, not exact: see docs/PERF.md's CPU section)",
+)
 KERNEL_SELFTEST = EnvVar(
     "EXL3LOCAL_KERNEL_SELFTEST", "auto",
     "check each EXL3 kernel against the reference before a layer uses it: auto (all but Triton's CPU interpreter), "
@@ -79,6 +83,6 @@ CORS_ORIGINS = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (
     HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, HANG_TIMEOUT, API_IDLE_TIMEOUT, API_KEY_FILE, API_KEY,
-    ENGINE_PARENT, CORS_ORIGINS, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, KERNEL_SELFTEST,
+    ENGINE_PARENT, CORS_ORIGINS, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, CPU_INT8, KERNEL_SELFTEST,
     TILED_MAX_ROWS, TRITON_INTERPRET,
 )

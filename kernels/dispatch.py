@@ -247,7 +247,9 @@ class CpuLinearKernel(Exl3Kernel):
     def path_for(self, rows: int) -> KernelPath:
         from exl3local.kernels.cpu import ops
 
-        return KernelPath.CPU_GEMV if rows <= ops.GEMV_MAX_ROWS else KernelPath.CPU_GEMM
+        if rows > ops.GEMV_MAX_ROWS:
+            return KernelPath.CPU_GEMM
+        return KernelPath.CPU_GEMV_INT8 if ops.int8_active(self.spec.codebook) else KernelPath.CPU_GEMV
 
     def apply(self, x, trellis, suh, svh, bias=None):
         if x.shape[-1] != self.spec.size_k:

@@ -38,9 +38,16 @@ from exl3local.kernels.codebook import CODEBOOKS
 TOLERANCE = 2e-3
 
 
-def tolerance(dtype: torch.dtype) -> float:
-    """TOLERANCE plus the output dtype's own rounding where that is coarser than fp16's."""
-    return TOLERANCE + (torch.finfo(dtype).eps / 2 if dtype == torch.bfloat16 else 0.0)
+# The CPU kernel's opt-in int8-activation path (EXL3LOCAL_CPU_INT8): one int8 scale per row costs about 0.7-1 %
+# relative (measured 6.4e-3 .. 1.0e-2, 128x128 to 2048x2048, K 2.5-4); still far below a wrong weight's order 1.
+INT8_TOLERANCE = 3e-2
+
+
+def tolerance(dtype: torch.dtype, path: str = "") -> float:
+    """TOLERANCE plus the output dtype's own rounding where that is coarser than fp16's (INT8_TOLERANCE instead on
+    an int8-activation path)."""
+    base = INT8_TOLERANCE if path.endswith("_int8") else TOLERANCE
+    return base + (torch.finfo(dtype).eps / 2 if dtype == torch.bfloat16 else 0.0)
 # Per device kind: layer shape (k, n), the most K splits forced in the split-K checks, MoE tokens (top-2 of 3
 # experts each). The interpreter runs every program in Python, so the CPU gets the smallest legal shape and
 # the fewest programs that still split K (about 10 s per rate on one core); GPUs get several Hadamard
@@ -148,12 +155,12 @@ def _counters_clear(launch) -> bool:
     return ws is None or int(ws.counters.abs().sum()) == 0
 
 
-def _compare(y: torch.Tensor, expected: torch.Tensor, launch=None) -> tuple[bool, float, str]:
+def _compare(y: torch.Tensor, expected: torch.Tensor, launch=None, path: str = "") -> tuple[bool, float, str]:
     err = _rel_err(y, expected)
     if err != err:  # NaN: a non-finite output
         return False, err, "non-finite output (a split-K partial read before it was stored?)"
-    if err > tolerance(y.dtype):
-        return False, err, f"relative error {err:.3g} > {tolerance(y.dtype):.3g}"
+    if err > tolerance(y.dtype, path):
+        return False, err, f"relative error {err:.3g} > {tolerance(y.dtype, path):.3g}"
     if launch is not None and not _counters_clear(launch):
         return False, err, "split-K block counters not reset after the launch"
     return True, err, ""
@@ -331,7 +338,7 @@ def _check_apply(kernel, rows: int, dtype: torch.dtype):
         instance = kernel(KernelSpec(*shape, bits, codebook, dtype), DeviceInfo.of(device))
         y, us = _timed(lambda: instance.apply(x, trellis, suh, svh), device)
         ok, err, why = _compare(y, reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), bits,
-                                                    codebook))
+                                                    codebook), path=str(instance.path_for(rows)))
         return ok, err, us, why
 
     return check

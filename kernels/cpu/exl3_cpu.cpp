@@ -14,6 +14,7 @@
 #else
 #include "exl3_cpu_portable.h"
 #endif
+#include <vector>
 
 extern "C" {
 
@@ -27,6 +28,8 @@ int exl3_cpu_tier() {
 }
 
 static void run_units(const Units& w, int tiles_k, int tiles_n, int bits2, int codebook, const float* lut, int threads) {
+    // int8 activations: mul1 on the AVX-512 tier only (ops.int8_active decides; a library call elsewhere is a bug)
+    if (w.qab && (codebook != CB_MUL1 || exl3_cpu_tier() == 0)) __builtin_trap();
     const Rate& r = rate_for(bits2);
 #if defined(EXL3_AVX512)
     (void)lut;
@@ -40,11 +43,15 @@ static void run_units(const Units& w, int tiles_k, int tiles_n, int bits2, int c
 }
 
 // y (m, n) fp32 = H(H(x ⊙ suh) · Ŵ) ⊙ svh, x (m, k) fp32; u (m, k) fp32 scratch. lut: the codebook as fp32
-// (read by the portable tier only). k, n multiples of 128.
+// (read by the portable tier only). k, n multiples of 128. int8: activations as int8 (mul1, AVX-512; not exact).
 void exl3_cpu_gemv(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const float* lut,
-                   const float* x, const float* suh, const float* svh, float* u, float* y, int m, int threads) {
+                   const float* x, const float* suh, const float* svh, float* u, float* y, int m, int threads,
+                   int int8) {
     input_transform(x, suh, u, m, tiles_k * 16, threads);
-    const Units w{trellis, 0, nullptr, nullptr, u, svh, 0, y, 1, m};
+    std::vector<float> qab(int8 ? 2 * m : 0);
+    if (int8) quantize_rows(u, m, tiles_k * 16, qab.data(), threads);
+    Units w{trellis, 0, nullptr, nullptr, u, svh, 0, y, 1, m};
+    w.qab = int8 ? qab.data() : nullptr;
     run_units(w, tiles_k, tiles_n, bits2, codebook, lut, threads);
 }
 

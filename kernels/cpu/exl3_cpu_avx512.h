@@ -92,19 +92,31 @@ inline __m512 decode16(__m512i s) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// The 16 weights of group gi of the tile at U (words32 uint32 words), in position order.
+// One group's permute controls and load window, held in registers while the group runs over a chunk's tiles: read
+// from Groups once per group and tile row instead of once per 16 weights (the load ports were the bound).
+struct GroupView {
+    __m512i bytes, ctrl;
+    __mmask16 mask;
+    int base, head;  // head: group 0, whose window starts with the ring's last word (tail-biting)
+
+    GroupView(const Groups& g, int gi)
+        : bytes(g.bytes[gi]), ctrl(g.ctrl[gi]), mask(gi ? g.load_mask[gi] : g.load_mask[0] >> 1), base(g.base[gi]),
+          head(gi == 0) {}
+
+    // The 16 states of this group of the tile at U (words32 uint32 words), in position order, one per 32-bit lane.
+    inline __m512i states(const uint32_t* U, int words32) const {
+        const __m512i v = head ? _mm512_alignr_epi32(_mm512_maskz_loadu_epi32(mask, U),
+                                                     _mm512_set1_epi32((int)U[words32 - 1]), 15)
+                               : _mm512_maskz_loadu_epi32(mask, U + base - 1);
+        // Eight stream bytes per lane pair, then each lane's 16 state bits into its low half (both on port 5).
+        return _mm512_maskz_multishift_epi64_epi8(0x3333333333333333ull, ctrl, _mm512_permutexvar_epi8(bytes, v));
+    }
+};
+
+// The 16 weights of group gi of the tile at U, in position order.
 template <int CB>
 inline __m512 decode_group(const uint32_t* U, int words32, const Groups& g, int gi) {
-    __m512i v;
-    if (gi == 0) {  // buf[0] is the ring's last word (tail-biting)
-        const __m512i head = _mm512_maskz_loadu_epi32(g.load_mask[0] >> 1, U);
-        v = _mm512_alignr_epi32(head, _mm512_set1_epi32((int)U[words32 - 1]), 15);
-    } else {
-        v = _mm512_maskz_loadu_epi32(g.load_mask[gi], U + g.base[gi] - 1);
-    }
-    // Eight stream bytes per lane pair, then each lane's 16 state bits into its low half (both on port 5).
-    const __m512i window = _mm512_permutexvar_epi8(g.bytes[gi], v);
-    return decode16<CB>(_mm512_maskz_multishift_epi64_epi8(0x3333333333333333ull, g.ctrl[gi], window));
+    return decode16<CB>(GroupView(g, gi).states(U, words32));
 }
 
 // One work item: the 128 output columns of chunk c for m rows of u, over every k tile of one trellis.
@@ -127,14 +139,16 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
             for (int gi = 0; gi < 16; ++gi) ue[mi * 16 + gi] = _mm512_permutexvar_ps(g.urow[gi], ut);
         }
         const int16_t* row = col0 + (size_t)tk * row_words;
-        if (m == 1) {  // decode: the row loop and the ring-head branch unrolled away
-            for (int ct = 0; ct < CHUNK_TILES; ++ct) {
-                const uint32_t* U = (const uint32_t*)(row + (size_t)ct * words16);
-                float* a = acc + ct * POSITIONS;
-#pragma GCC unroll 16
-                for (int gi = 0; gi < 16; ++gi)
-                    _mm512_store_ps(a + 16 * gi, _mm512_fmadd_ps(ue[gi], decode_group<CB>(U, r.words32, g, gi),
-                                                                 _mm512_load_ps(a + 16 * gi)));
+        if (m == 1) {  // decode: group by group, each over the chunk's tiles (its controls stay in registers)
+            for (int gi = 0; gi < 16; ++gi) {
+                const GroupView view(g, gi);
+                const __m512 ug = ue[gi];
+#pragma GCC unroll 8
+                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+                    float* a = acc + ct * POSITIONS + 16 * gi;
+                    const __m512 w = decode16<CB>(view.states((const uint32_t*)(row + (size_t)ct * words16), r.words32));
+                    _mm512_store_ps(a, _mm512_fmadd_ps(ug, w, _mm512_load_ps(a)));
+                }
             }
             continue;
         }
@@ -154,6 +168,63 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
         finish_block(acc + (size_t)mi * CHUNK_TILES * POSITIONS, svh + c * 128, y + (size_t)mi * y_stride + c * 128);
 }
 
+// gemv_chunk for int8 activations (mul1 only): per 16 weights the state hash and one vpdpbusd, which multiplies the
+// hash's 4 bytes by the row's int8 activation and adds them, i.e. bytesum * q, into int32 lanes. The codebook's scale
+// and offset (and the fp16 rounding, skipped here) leave the loop: y = qa * sum(bytesum * q) + offset * qa-scale * Q.
+// acc: m * CHUNK_TILES * POSITIONS int32 (64-byte aligned), qe: m * 16 vectors.
+void gemv_chunk_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const Groups& g, const int32_t* q4,
+                   const float* qab, int m, int c, int32_t* acc, __m512i* qe, const float* svh, float* y,
+                   size_t y_stride) {
+    const int k = tiles_k * 16, words16 = 2 * r.words32;
+    const size_t row_words = (size_t)tiles_n * words16;
+    std::memset(acc, 0, sizeof(int32_t) * m * CHUNK_TILES * POSITIONS);
+    const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
+    const int chunk_bytes = CHUNK_TILES * words16 * 2;
+    const __m512i hash = _mm512_set1_epi32((int)0x83DCD12Du);
+    for (int tk = 0; tk < tiles_k; ++tk) {
+        if (tk + 4 < tiles_k) {
+            const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);
+            for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        }
+        for (int mi = 0; mi < m; ++mi) {
+            const __m512i qt = _mm512_loadu_si512(q4 + (size_t)mi * k + 16 * tk);
+            for (int gi = 0; gi < 16; ++gi) qe[mi * 16 + gi] = _mm512_permutexvar_epi32(g.urow[gi], qt);
+        }
+        const int16_t* row = col0 + (size_t)tk * row_words;
+        for (int gi = 0; gi < 16; ++gi) {
+            const GroupView view(g, gi);
+            if (m == 1) {  // decode: the row loop unrolled away
+                const __m512i qg = qe[gi];
+#pragma GCC unroll 8
+                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+                    int32_t* a = acc + ct * POSITIONS + 16 * gi;
+                    const __m512i x = _mm512_mullo_epi32(view.states((const uint32_t*)(row + (size_t)ct * words16),
+                                                                     r.words32), hash);
+                    _mm512_store_si512(a, _mm512_dpbusd_epi32(_mm512_load_si512(a), x, qg));
+                }
+                continue;
+            }
+            for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+                const __m512i x = _mm512_mullo_epi32(view.states((const uint32_t*)(row + (size_t)ct * words16),
+                                                                 r.words32), hash);
+                for (int mi = 0; mi < m; ++mi) {
+                    int32_t* am = acc + ((size_t)mi * CHUNK_TILES + ct) * POSITIONS + 16 * gi;
+                    _mm512_store_si512(am, _mm512_dpbusd_epi32(_mm512_load_si512(am), x, qe[mi * 16 + gi]));
+                }
+            }
+        }
+    }
+    for (int mi = 0; mi < m; ++mi) {
+        // Integer sums to fp32 position sums in place, then the exact path's reduction and output transform.
+        int32_t* am = acc + (size_t)mi * CHUNK_TILES * POSITIONS;
+        float* af = (float*)am;
+        const __m512 qa = _mm512_set1_ps(qab[2 * mi]), qb = _mm512_set1_ps(qab[2 * mi + 1]);
+        for (int i = 0; i < CHUNK_TILES * POSITIONS; i += 16)
+            _mm512_store_ps(af + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(am + i)), qa, qb));
+        finish_block(af, svh + c * 128, y + (size_t)mi * y_stride + c * 128);
+    }
+}
+
 template <int CB>
 void gemv_units(const Units& w, int tiles_k, int tiles_n, const Rate& r, int threads) {
     const Groups& g = groups_for(r);
@@ -168,8 +239,13 @@ void gemv_units(const Units& w, int tiles_k, int tiles_n, const Rate& r, int thr
             const int e = w.ids ? w.ids[unit] : unit;
             if (e < 0) continue;
             const size_t row = w.first_row(unit);
-            gemv_chunk<CB>(w.trellis + (size_t)e * w.trellis_stride, tiles_k, tiles_n, r, g, w.u + row * k,
-                           w.rows(unit), c, acc, ue, w.svh + (size_t)e * w.svh_stride, w.y + row * n, n);
+            if (CB == CB_MUL1 && w.qab)  // acc and ue hold as many int32 lanes as fp32 ones
+                gemv_chunk_q8(w.trellis + (size_t)e * w.trellis_stride, tiles_k, tiles_n, r, g,
+                              (const int32_t*)(w.u + row * k), w.qab + 2 * row, w.rows(unit), c, (int32_t*)acc,
+                              (__m512i*)ue, w.svh + (size_t)e * w.svh_stride, w.y + row * n, n);
+            else
+                gemv_chunk<CB>(w.trellis + (size_t)e * w.trellis_stride, tiles_k, tiles_n, r, g, w.u + row * k,
+                               w.rows(unit), c, acc, ue, w.svh + (size_t)e * w.svh_stride, w.y + row * n, n);
         }
         _mm_free(ue);
         _mm_free(acc);

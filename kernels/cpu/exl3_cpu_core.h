@@ -134,9 +134,39 @@ struct Units {
     size_t svh_stride;
     float* y;
     int units, m;  // m rows per unit (with start: the most any unit has)
+    // int8 activations (mul1 only, opt-in): u's rows quantized in place (quantize_rows); per row qab[2r] scales the
+    // integer sums, qab[2r+1] is the codebook offset's share of one position. nullptr: exact fp32 activations.
+    const float* qab = nullptr;
 
     int first_row(int i) const { return start ? start[i] : i * m; }
     int rows(int i) const { return start ? start[i + 1] - start[i] : m; }
 };
+
+// mul1's weight before its fp16 rounding is MUL1_SCALE * bytesum + MUL1_OFFSET (format spec: the byte sum of
+// state * 0x83DCD12D, centred and scaled).
+constexpr float MUL1_SCALE = 887.0f / 131072.0f;
+constexpr float MUL1_OFFSET = -442.0f / 128.0f;
+
+// The int8 mode's activations: each row of u (fp32, k wide) becomes int8 with one scale per row (absmax / 127),
+// each value repeated in the 4 bytes of its int32 slot (vpdpbusd multiplies all 4 bytes of a lane's state hash by
+// it), written over u. Row r's integer sums z then give y = qab[2r] * z + 16 * qab[2r+1] per column (16 positions).
+void quantize_rows(float* u, int rows, int k, float* qab, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= 16384)
+    for (int r = 0; r < rows; ++r) {
+        float* ur = u + (size_t)r * k;
+        float amax = 0.0f;
+        for (int i = 0; i < k; ++i) amax = ur[i] > amax ? ur[i] : (-ur[i] > amax ? -ur[i] : amax);
+        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t* q4 = (int32_t*)ur;
+        long sum = 0;
+        for (int i = 0; i < k; ++i) {
+            const int q = (int)__builtin_nearbyintf(ur[i] * inv);
+            sum += q;
+            q4[i] = (int32_t)((uint32_t)(uint8_t)(int8_t)q * 0x01010101u);
+        }
+        qab[2 * r] = scale * MUL1_SCALE;
+        qab[2 * r + 1] = scale * MUL1_OFFSET * (float)sum / 16.0f;
+    }
+}
 
 }  // namespace

@@ -4,7 +4,7 @@
     y = lin(x2d)                                          # (m, k) -> (m, n) fp32; path_for(m) says which path
 
 GEMV (m <= GEMV_MAX_ROWS): one pass over the trellis, Ŵ decoded in registers, both Hadamard transforms in
-the library. GEMM (more rows): Ŵ decoded once per strip of columns into fp32, multiplied by torch's BLAS.
+the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations, not exact (int8_active). GEMM (more rows): Ŵ decoded once per strip of columns into fp32, multiplied by torch's BLAS.
 Both use torch's intra-op thread count (the engine's threads) and, since the library links the same
 OpenMP runtime torch loaded (libgomp.so.1), the same worker threads.
 """
@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from exl3local import env
 from exl3local.kernels.codebook import CODEBOOKS, lut
 from exl3local.kernels.cpu import build
 
@@ -47,7 +48,7 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int
 _SIGNATURES = {
     "exl3_cpu_tier": ((), _I),
-    "exl3_cpu_gemv": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I), None),
+    "exl3_cpu_gemv": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I), None),
     "exl3_cpu_moe": ((_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I), None),
     "exl3_cpu_moe_grouped": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _I), None),
     "exl3_cpu_decode": ((_P, _I, _I, _I, _I, _P, _I, _I, _P, _I), None),
@@ -85,6 +86,16 @@ def refusal() -> str | None:
     return None
 
 
+def int8_active(codebook: str, lib: ctypes.CDLL | None = None, requested: bool | None = None) -> bool:
+    """Whether one-row..GEMV_MAX_ROWS calls of a `codebook` layer run with int8 activations: asked for
+    (`requested`, default EXL3LOCAL_CPU_INT8), a mul1 layer (its codebook is a byte sum: one vpdpbusd per 16
+    weights) and the AVX-512 tier. Not exact (activations rounded to int8 per row, Ŵ's fp16 rounding skipped), so
+    an opt-in; the GEMM path (prefill) stays exact."""
+    if requested is None:
+        requested = env.CPU_INT8.get_bool()
+    return bool(requested) and codebook == "mul1" and (lib or library()).exl3_cpu_tier() != 0
+
+
 def _bits2(bits: float) -> int:
     return int(round(2 * bits))
 
@@ -105,16 +116,20 @@ def _bind_operands(op, lib: ctypes.CDLL, trellis: torch.Tensor, tiles_k: int, ti
 
 
 class CpuLinear:
-    """One EXL3 projection bound to the library: trellis (k/16, n/16, w) int16, suh (k,), svh (n,)."""
+    """One EXL3 projection bound to the library: trellis (k/16, n/16, w) int16, suh (k,), svh (n,).
+    int8: int8 activations in the GEMV path where int8_active allows (None: as EXL3LOCAL_CPU_INT8 says)."""
 
     def __init__(self, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str,
-                 tier: str | None = None) -> None:
+                 tier: str | None = None, int8: bool | None = None) -> None:
         if not trellis.is_contiguous():
             raise ValueError("the CPU kernel reads the trellis as stored: it must be contiguous")
         _bind_operands(self, library(tier), trellis, trellis.shape[0], trellis.shape[1], suh, svh, bits, codebook)
+        self.int8 = int8_active(codebook, self.lib, int8)
 
     def path_for(self, rows: int) -> str:
-        return "gemv" if rows <= GEMV_MAX_ROWS else "gemm"
+        if rows > GEMV_MAX_ROWS:
+            return "gemm"
+        return "gemv_int8" if self.int8 else "gemv"
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,7 +144,7 @@ class CpuLinear:
             u = torch.empty(m, self.size_k, dtype=torch.float32)
             self.lib.exl3_cpu_gemv(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
                                    self.lut_ptr, x.data_ptr(), self.suh.data_ptr(), self.svh.data_ptr(), u.data_ptr(),
-                                   y.data_ptr(), m, threads)
+                                   y.data_ptr(), m, threads, int(self.int8))
         if bias is not None:
             y += bias.float()
         return y if out_dtype == torch.float32 else y.to(out_dtype)

@@ -1,0 +1,89 @@
+"""The CPU kernel's opt-in int8-activation GEMV (EXL3LOCAL_CPU_INT8, mul1 only): its arithmetic against an
+emulation, where it is chosen and named, and that the self-test accepts it (and only it) at its own tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3local.kernels import KernelPath, KernelSpec, reference
+from exl3local.kernels.codebook import MUL1_K_BIAS, MUL1_K_INV
+from exl3local.kernels.cpu import build, ops
+from exl3local.kernels.dispatch import CpuLinearKernel, DeviceInfo
+from exl3local.kernels.hadamard import hadamard_rows
+
+pytestmark = pytest.mark.skipif(build.best_tier() != "avx512", reason="the int8 path is AVX-512 only")
+
+
+def _layer(size_k, size_n, bits, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    trellis = torch.randint(-32768, 32768, (size_k // 16, size_n // 16, reference.words_per_tile(bits)),
+                            generator=g, dtype=torch.int16)
+    return trellis, (torch.randn(size_k, generator=g) * 0.1).half(), (torch.randn(size_n, generator=g) * 0.1).half()
+
+
+def _emulated(x, trellis, suh, svh, bits):
+    """The int8 path's arithmetic in fp64: u (the library's own input transform) rounded to int8 per row with
+    scale absmax / 127, times mul1's weights before their fp16 rounding (byte sum * K_INV + offset; the byte sum
+    read back from Ŵ, whose fp16 rounding moves it by less than half a step)."""
+    lib = ops.library()
+    u, suh32 = torch.empty_like(x), suh.float().contiguous()
+    lib.exl3_cpu_input_transform(x.data_ptr(), suh32.data_ptr(), u.data_ptr(), *x.shape, 1)
+    amax = u.abs().amax(-1, keepdim=True)
+    q = torch.round(u * (torch.tensor(127.0) / amax))  # fp32 like the library, ties to even like nearbyint
+    w = reference.decode_trellis(trellis, bits, "mul1").double()
+    sums = torch.round((w - MUL1_K_BIAS) / MUL1_K_INV - 1024)
+    assert sums.min() >= 0 and sums.max() <= 1020
+    z = (q.double() * (amax.double() / 127)) @ (sums * MUL1_K_INV + 1024 * MUL1_K_INV + MUL1_K_BIAS)
+    return hadamard_rows(z).double() * svh.double()
+
+
+@pytest.mark.parametrize("bits", [4, 2.5, 3])
+@pytest.mark.parametrize("rows", [1, 3, ops.GEMV_MAX_ROWS])
+def test_int8_gemv_matches_its_emulation_and_stays_near_the_reference(bits, rows):
+    trellis, suh, svh = _layer(384, 256, bits, seed=rows)
+    lin = ops.CpuLinear(trellis, suh, svh, bits, "mul1", int8=True)
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(1))
+    got = lin(x)
+    expected = _emulated(x, trellis, suh, svh, bits)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    exact = reference.linear(x, trellis, suh, svh, bits, "mul1")
+    err = ((got - exact).norm() / exact.norm()).item()
+    assert 1e-4 < err < 3e-2, err  # int8 rounding shows (the path ran), and stays small
+
+
+def test_int8_only_for_mul1_on_avx512_and_only_in_the_gemv_path(monkeypatch):
+    trellis, suh, svh = _layer(256, 256, 4)
+    assert ops.CpuLinear(trellis, suh, svh, 4, "mul1", int8=True).path_for(1) == "gemv_int8"
+    assert ops.CpuLinear(trellis, suh, svh, 4, "mul1", int8=True).path_for(ops.GEMV_MAX_ROWS + 1) == "gemm"
+    assert ops.CpuLinear(trellis, suh, svh, 4, "mul1", int8=False).path_for(1) == "gemv"
+    assert ops.CpuLinear(trellis, suh, svh, 4, "mul1", tier="portable", int8=True).path_for(1) == "gemv"
+    trellis3, suh3, svh3 = _layer(256, 256, 3)
+    assert ops.CpuLinear(trellis3, suh3, svh3, 3, "3inst", int8=True).path_for(1) == "gemv"
+
+    spec = KernelSpec(256, 256, 4, "mul1", torch.bfloat16)
+    monkeypatch.delenv("EXL3LOCAL_CPU_INT8", raising=False)
+    assert CpuLinearKernel(spec, DeviceInfo.of(torch.device("cpu"))).path_for(1) == KernelPath.CPU_GEMV
+    monkeypatch.setenv("EXL3LOCAL_CPU_INT8", "1")
+    kernel = CpuLinearKernel(spec, DeviceInfo.of(torch.device("cpu")))
+    assert kernel.path_for(1) == KernelPath.CPU_GEMV_INT8
+    assert kernel.path_for(ops.GEMV_MAX_ROWS + 1) == KernelPath.CPU_GEMM
+    x = torch.randn(ops.GEMV_MAX_ROWS + 1, 256, generator=torch.Generator().manual_seed(2))
+    exact = reference.linear(x, trellis, suh, svh, 4, "mul1")
+    got = kernel.apply(x.bfloat16(), trellis, suh, svh).float()
+    # prefill rows stay exact (bf16 output), one decode row does not
+    torch.testing.assert_close(got, exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
+    one = kernel.apply(x[:1], trellis, suh, svh)
+    assert 1e-4 < ((one - exact[:1]).norm() / exact[:1].norm()).item() < 3e-2
+
+
+def test_selftest_accepts_the_int8_path_at_its_tolerance_only(monkeypatch):
+    from exl3local.kernels import selftest_checks
+
+    monkeypatch.setenv("EXL3LOCAL_CPU_INT8", "1")
+    results = selftest_checks.run_kernel(CpuLinearKernel, 4, "mul1", torch.device("cpu"), dtype=torch.bfloat16)
+    by_path = {r.path: r for r in results}
+    assert by_path["cpu_gemv_int8"].ok and by_path["cpu_gemm"].ok, results
+    # int8's error would fail the exact paths' bound: the looser one is the path's, not the kernel's
+    assert by_path["cpu_gemv_int8"].error > selftest_checks.TOLERANCE
+    assert by_path["cpu_gemm"].error < selftest_checks.tolerance(torch.bfloat16)
