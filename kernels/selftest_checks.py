@@ -251,7 +251,7 @@ def _check_reconstruct(bits, codebook, device, shape, dtype: torch.dtype = torch
 
 
 def _check_moe(bits, codebook, device, shape):
-    from exl3local.kernels.triton_moe import moe_decode
+    from exl3local.kernels.triton_moe import moe_units
 
     tokens = SIZES[kind(device)][2]
     trellis, suh, svh = _layer(*shape, bits, codebook, device, seed=6, experts=MOE_EXPERTS)
@@ -260,7 +260,7 @@ def _check_moe(bits, codebook, device, shape):
     launch = _split_launch(trellis, suh, svh, bits, codebook, experts=True)
     _force_splits(launch, ids.numel())
     _nan_workspace(launch, ids.numel())
-    y, us = _timed(lambda: moe_decode(x, trellis, suh, svh, bits, codebook, ids, bound=launch), device)
+    y, us = _timed(lambda: moe_units(launch, x, ids), device)
     cpu = (trellis.cpu(), suh.cpu(), svh.cpu())
     expected = torch.stack([
         torch.stack([reference.linear(x[t : t + 1].cpu(), cpu[0][e], cpu[1][e], cpu[2][e], bits, codebook)[0]
