@@ -30,7 +30,7 @@ from exl3local.kernels.triton_decode import decode_dense  # noqa: E402
 from exl3local.kernels.triton_gemm import reconstruct_gemm, right_reconstruct  # noqa: E402
 from exl3local.kernels.triton_gemv import choose_splits, gemv, ring_config, ring_dot_config, ring_dot_partials, ring_partials  # noqa: E402
 from exl3local.kernels.triton_hadamard import input_transform, output_transform  # noqa: E402
-from exl3local.kernels.triton_moe import moe_decode  # noqa: E402
+from exl3local.kernels.triton_moe import moe_decode, moe_units  # noqa: E402
 
 SHAPES_27B = [(5120, 5120), (5120, 1024), (5120, 17408), (17408, 5120)]
 SHAPES_OTHER = [(4096, 4096), (4096, 14336), (5120, 27648)]
@@ -270,7 +270,7 @@ def bench_host(exl3: Exl3, shapes) -> None:
     for tokens in (1, 4):
         ids = torch.randperm(e_count, device=DEVICE[0])[:tokens * top_k].view(tokens, top_k)
         x = torch.randn(tokens, hidden, device=DEVICE[0]).half()
-        calls = {"bound": lambda: moe_decode(x, *gate, 4, "mul1", ids, bound=bound),
+        calls = {"bound": lambda: moe_units(bound, x, ids),
                  "unbound": lambda: moe_decode(x, *gate, 4, "mul1", ids)}
         row = dict(kind="host_moe", tokens=tokens)
         for name, fn in calls.items():
@@ -456,9 +456,9 @@ def bench_moe(exl3: Exl3, codebooks=("mul1",), bits=4) -> None:
             bound = [bind_moe(*p, bits, cb) for p in (gate, up, down)]
 
             def ours():
-                moe_decode(x, *gate, bits, cb, ids, bound=bound[0])
-                moe_decode(x, *up, bits, cb, ids, bound=bound[1])
-                moe_decode(a, *down, bits, cb, ids, bound=bound[2])
+                moe_units(bound[0], x, ids)
+                moe_units(bound[1], x, ids)
+                moe_units(bound[2], a, ids)
 
             # correctness of one unit against the reference
             y = moe_decode(x, *gate, bits, cb, ids)

@@ -5,7 +5,7 @@ no Triton argument binding.
 
     layer = BoundLinear([(kernel, trellis, suh, svh, out_features), ...], in_features, bias)   # once
     y = layer(x)                                                  # (..., in_features) -> (..., Σ out_features)
-    proj = bind_moe(trellis, suh, svh, bits, codebook)            # MoE: triton_moe.moe_decode(..., bound=proj)
+    proj = bind_moe(trellis, suh, svh, bits, codebook)            # MoE: triton_moe.moe_units(proj, x, ids)
 
 Rows: up to MAX_ROWS one 16-row dot tile (the FMA ring kernel for one row at FMA_ONE_ROW_BITS); above, with
 EXL3LOCAL_TILED_MAX_ROWS set, the same fused kernel with TILE_ROWS-row tiles (triton_gemv.tiled_config: each

@@ -10,8 +10,8 @@ Layouts (the plugin stacks the per-expert checkpoint tensors once at load):
 
 One launch per projection (triton_fused.exl3_fused_kernel: each unit's input transform with its expert's
 suh, the ring-order decode matmul with one unit per program in row 0 of its dot tile, split-K, and the
-output transform in the last split's epilogue). `bound.bind_moe` binds a projection once so repeated calls
-skip Triton's argument binding; `moe_decode` binds per call.
+output transform in the last split's epilogue). `moe_decode` binds the projection per call; `bound.bind_moe`
+binds it once and `moe_units` runs it, so repeated calls skip Triton's argument binding.
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ COMBINE_BLOCK = 512  # output columns per combine program
 
 
 def moe_decode(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float,
-               codebook: str, ids: torch.Tensor, bias: torch.Tensor | None = None,
-               bound: FusedLaunch | None = None) -> torch.Tensor:
-    """y[t, j] = x_unit · W[ids[t, j]] (+ bias[ids[t, j]]) for every unit; see the module doc for layouts.
-    `bound`: this projection's `bind_moe(trellis, suh, svh, bits, codebook, bias)`, made once."""
+               codebook: str, ids: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[t, j] = x_unit · W[ids[t, j]] (+ bias[ids[t, j]]) for every unit, binding the projection for this one call;
+    see the module doc for layouts. Repeated calls bind once (`bind_moe`) and run `moe_units`."""
+    return moe_units(bind_moe(trellis, suh, svh, bits, codebook, bias), x, ids)
+
+
+def moe_units(bound: FusedLaunch, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """moe_decode through a projection bound once (`bind_moe`): its weights are the only ones it knows."""
     tokens, top_k = ids.shape
     units = tokens * top_k
     if x.shape[0] == tokens:
@@ -38,8 +42,6 @@ def moe_decode(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: t
         x_div = 1
     else:
         raise ValueError(f"x has {x.shape[0]} rows; expected {tokens} (per token) or {units} (per unit)")
-    if bound is None:
-        bound = bind_moe(trellis, suh, svh, bits, codebook, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(units, bound.size_n, dtype=x.dtype, device=x.device)

@@ -11,7 +11,7 @@ import torch
 
 from exl3local.kernels import KernelSpec, prepare, reference
 from exl3local.kernels.bound import BoundLinear, FusedLaunch, Workspace, bind_moe
-from exl3local.kernels.triton_moe import moe_decode
+from exl3local.kernels.triton_moe import moe_units
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -183,14 +183,14 @@ def test_bound_moe_projection_reroutes_by_device_ids(make_layer, relative_error,
     bound.splits[4] = (2, bound.k_steps // 2)  # 4 units: split-K with one counter per unit and column block
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(7)).to(kernel_device)
     ids = torch.tensor([[3, 0], [1, 3]], device=kernel_device)
-    y = moe_decode(x, trellis, suh, svh, 4, "mul1", ids, bound=bound)
+    y = moe_units(bound, x, ids)
     for t in range(2):
         for j in range(2):
             e = int(ids[t, j])
             ref = reference.linear(x[t : t + 1].double(), trellis[e], suh[e], svh[e], 4, "mul1")
             assert relative_error(y[t, j : j + 1], ref) < 1e-3
     ids.copy_(torch.tensor([[0, 3], [3, 1]]))
-    again = moe_decode(x, trellis, suh, svh, 4, "mul1", ids, bound=bound)
+    again = moe_units(bound, x, ids)
     assert torch.equal(again[0, 1], y[0, 0]) and torch.equal(again[1, 0], y[1, 1])
     assert counters_clear()
 

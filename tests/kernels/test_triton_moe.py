@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from exl3local.kernels import reference
-from exl3local.kernels.triton_moe import moe_decode
+from exl3local.kernels.bound import bind_moe
+from exl3local.kernels.triton_moe import moe_decode, moe_units
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -54,6 +55,18 @@ def test_changing_ids_on_device_reroutes_without_host_changes(make_layer, kernel
     second = moe_decode(x, trellis, suh, svh, 4, "3inst", ids)
     assert torch.equal(second[0, 0], first[0, 1])
     assert not torch.allclose(second[0, 1], first[0, 1])
+
+
+def test_weights_come_from_one_place(make_layer, kernel_device):
+    """moe_decode binds the tensors it is given; a projection bound once runs through moe_units, which takes no
+    weight tensors. (moe_decode(..., bound=b) used to run b's weights and ignore the tensors passed beside it.)"""
+    a = make_layer(128, 128, 4, "mul1", seed=9, experts=2)
+    b = make_layer(128, 128, 4, "mul1", seed=10, experts=2)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(9)).to(kernel_device)
+    ids = torch.tensor([[1, 0]], device=kernel_device)
+    with pytest.raises(TypeError):
+        moe_decode(x, *b, 4, "mul1", ids, bound=bind_moe(*a, 4, "mul1"))
+    assert torch.equal(moe_units(bind_moe(*a, 4, "mul1"), x, ids), moe_decode(x, *a, 4, "mul1", ids))
 
 
 def test_row_count_must_match_tokens_or_units(make_layer, kernel_device):
