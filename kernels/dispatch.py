@@ -230,8 +230,11 @@ class CpuLinearKernel(Exl3Kernel):
     backend = "cpu"
 
     def __init__(self, spec: KernelSpec, device: DeviceInfo) -> None:
+        from exl3local.kernels.cpu import ops
+
         super().__init__(spec, device)
         self.bound: dict[tuple, object] = {}
+        self.int8 = ops.int8_active(spec.codebook)  # read once: path_for names what apply runs
 
     @classmethod
     def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
@@ -249,7 +252,7 @@ class CpuLinearKernel(Exl3Kernel):
 
         if rows > ops.GEMV_MAX_ROWS:
             return KernelPath.CPU_GEMM
-        return KernelPath.CPU_GEMV_INT8 if ops.int8_active(self.spec.codebook) else KernelPath.CPU_GEMV
+        return KernelPath.CPU_GEMV_INT8 if self.int8 else KernelPath.CPU_GEMV
 
     def apply(self, x, trellis, suh, svh, bias=None):
         if x.shape[-1] != self.spec.size_k:
@@ -260,7 +263,8 @@ class CpuLinearKernel(Exl3Kernel):
             from exl3local.kernels.cpu import ops
 
             # Holds the trellis (the key's address stays its own) and fp32 copies of suh/svh.
-            bound = self.bound[key] = ops.CpuLinear(trellis, suh, svh, self.spec.bits, self.spec.codebook)
+            bound = self.bound[key] = ops.CpuLinear(trellis, suh, svh, self.spec.bits, self.spec.codebook,
+                                                    int8=self.int8)
         return bound(x.reshape(-1, self.spec.size_k), x.dtype, bias).reshape(*x.shape[:-1], self.spec.size_n)
 
 
