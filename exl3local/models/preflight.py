@@ -21,8 +21,9 @@ from pathlib import Path
 
 from exl3local import env
 from exl3local.errors import CheckpointError, Exl3Error
-from exl3local.manifest import MARKER_VALUES, MAX_HEADER_BYTES, Manifest
+from exl3local.manifest import MARKER_VALUES, Manifest
 from exl3local.manifest import read as read_manifest
+from exl3local.safetensors_files import MAX_HEADER_BYTES
 from exl3local.models.store import ModelRef, repo_folder
 
 STAGING_DIR = ".exl3local-staging"  # <repo cache>/STAGING_DIR/<sha256>.part: a download kept for resuming

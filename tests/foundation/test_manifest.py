@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from exl3local import manifest
+from exl3local import manifest, safetensors_files
 from exl3local.errors import CheckpointError
 
 LLAMA = "tiny-llama-exl3-4.0bpw"
@@ -57,7 +57,7 @@ def test_reads_the_dense_fixture(tiny_models):
     assert not any(n.endswith((".trellis", ".suh", ".svh", ".mul1")) for n in m.unquantized)
     assert m.bits_histogram == {4.0: 28, 6.0: 1}
     assert m.bytes_on_disk == (tiny_models[LLAMA] / "model.safetensors").stat().st_size
-    assert m.weight_bytes == sum(t.nbytes for t in manifest.read_header(tiny_models[LLAMA] / "model.safetensors").values())
+    assert m.weight_bytes == sum(t.nbytes for t in safetensors_files.read_header(tiny_models[LLAMA] / "model.safetensors").values())
 
 
 def test_reads_half_rate_and_moe_fixtures(tiny_models):
@@ -160,7 +160,7 @@ def _corrupt_malformed_json(d: Path):
 
 def _corrupt_missing_shard(d: Path):
     shutil.move(d / "model.safetensors", d / "model-00001-of-00002.safetensors")
-    names = manifest.read_header(d / "model-00001-of-00002.safetensors")
+    names = safetensors_files.read_header(d / "model-00001-of-00002.safetensors")
     index = {"metadata": {}, "weight_map": {n: "model-00001-of-00002.safetensors" for n in names}}
     index["weight_map"]["lm_head.trellis"] = "model-00002-of-00002.safetensors"
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
