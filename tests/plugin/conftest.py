@@ -66,6 +66,10 @@ class Server:
             "TORCHDYNAMO_DISABLE": "1",  # an eager CPU engine, as engine.launch starts one: no sampler compile
             **(extra_env or {}),
         }
+        if "--tensor-parallel-size" not in self.argv:
+            # The worker inside EngineCore, as on a GPU, instead of a third process that imports vLLM again
+            # (~15 s of CPU per server on CI). The product's own `up` keeps vLLM's CPU default (tests/models).
+            self.env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.proc: subprocess.Popen | None = None
 
     @property
