@@ -118,6 +118,42 @@ def rss_parts() -> dict[str, int]:
     return parts
 
 
+def tensor_bytes(model) -> dict[str, int]:
+    """The engine's tensors by kind, each storage once: the model's parameters and buffers, its attention layers'
+    KV cache, and kernels/cpu's GEMM workspace (this thread's, where the in-process engine runs). vLLM's CPU path
+    moves bf16 linear weights into oneDNN's packed copies and empties the parameters, so the parameters undercount
+    bf16: the parent counts the checkpoint's bytes as the weights instead."""
+    import torch
+
+    from exl3local.kernels.cpu import ops
+
+    seen: set[int] = set()
+
+    def once(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def caches(module) -> list:
+        kv = getattr(module, "kv_cache", None)
+        return [kv] if isinstance(kv, torch.Tensor) else list(kv or ())
+
+    params = once(list(model.parameters()) + list(model.buffers()))
+    kv = once(t for m in model.modules() for t in caches(m))
+    workspace = once(ops._local.__dict__.get("buffers", {}).values())
+    return {"params": params, "kv": kv, "workspace": workspace}
+
+
+def model_bytes(r: dict) -> int:
+    """Weights (the checkpoint's bytes: held as loaded by EXL3, repacked one to one by oneDNN for bf16) + KV +
+    kernels/cpu's workspace: the engine's own data, without vLLM's and Python's share of the RSS growth."""
+    checkpoint = sum(f.stat().st_size for f in Path(r["model"]).glob("*.safetensors"))
+    return checkpoint + r["tensors"]["kv"] + r["tensors"]["workspace"]
+
+
 def child(model: str, out: str) -> None:
     """One model, engine in this process: RSS growth, decode and prefill speed."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -155,7 +191,8 @@ def child(model: str, out: str) -> None:
     decoded = rss()
     prefill = min(run(long, 1) for _ in range(2))
     end_parts = rss_parts()
-    result = {"model": model, "threads": torch.get_num_threads(), "load_s": load_s, "rss_growth": rss() - before,
+    tensors = llm.apply_model(tensor_bytes)[0]
+    result = {"tensors": tensors,"model": model, "threads": torch.get_num_threads(), "load_s": load_s, "rss_growth": rss() - before,
               "rss_after_load": loaded - before, "rss_after_decode": decoded - before,
               "anon_after_load": loaded_parts["RssAnon"] - before_parts["RssAnon"],
               "anon_growth": end_parts["RssAnon"] - before_parts["RssAnon"],
@@ -196,12 +233,16 @@ def linear_speeds(cfg: dict, bits: int) -> list[dict]:
                 for _ in range(copies)]
         x = torch.randn(1, k)
         exl3, exl3_cpu = best(lambda i: lins[i](x), copies)
+        for lin in lins:  # the same trellises through the opt-in int8 path (mul1 on AVX-512; else exact again)
+            lin.int8 = ops.int8_active("mul1", lin.lib, True)
+        int8, int8_cpu = best(lambda i: lins[i](x), copies)
         dense = [torch.randn(n, k, generator=g).bfloat16() for _ in range(copies)]
         xb = x.bfloat16()
         bf16, bf16_cpu = best(lambda i: torch.nn.functional.linear(xb, dense[i]), copies)
         rows.append({"k": k, "n": n, "threads": torch.get_num_threads(), "exl3_us": exl3 * 1e6, "bf16_us": bf16 * 1e6,
                      "exl3_ns_per_weight": exl3 * 1e9 / (k * n), "bf16_ns_per_weight": bf16 * 1e9 / (k * n),
                      "exl3_cpu_ns_per_weight": exl3_cpu * 1e9 / (k * n), "bf16_cpu_ns_per_weight": bf16_cpu * 1e9 / (k * n),
+                     "int8_ns_per_weight": int8 * 1e9 / (k * n), "int8_cpu_ns_per_weight": int8_cpu * 1e9 / (k * n),
                      "exl3_gb_s": k * n * bits / 8 / exl3 / 1e9, "bf16_gb_s": k * n * 2 / bf16 / 1e9})
         del lins, dense
     return rows
@@ -298,6 +339,8 @@ def main() -> None:
                         "count; by default it serves with one thread)")
     parser.add_argument("--rounds", type=int, default=1, help="alternate bf16 and EXL3 this many times; each "
                         "model's best decode and prefill count")
+    parser.add_argument("--int8", action="store_true", help="also the EXL3 model with EXL3LOCAL_CPU_INT8=1 (the opt-in "
+                        "int8-activation decode, not exact)")
     parser.add_argument("--model", type=Path, help="instead: this EXL3 checkpoint, CPU kernel vs reference decoder")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -326,17 +369,21 @@ def main() -> None:
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
         results = {}
+        runs = [("bf16", bf16, {}), ("exl3", exl3, {})] + [("exl3_int8", exl3, {"EXL3LOCAL_CPU_INT8": "1"})] * args.int8
         for round_ in range(args.rounds):  # the models alternate, so a change in the machine's load hits both
-            for name, path in (("bf16", bf16), ("exl3", exl3)):
+            for name, path, extra in runs:
                 out = root / f"{name}.json"
                 subprocess.run([sys.executable, "-P", __file__, "--child", str(path), str(out)], check=True,
-                               cwd=tempfile.gettempdir(), env=env)
+                               cwd=tempfile.gettempdir(), env={**env, **extra})
                 r = json.loads(out.read_text())
                 r["load_average"] = os.getloadavg()[0]
                 print(f"round {round_ + 1}: {name} ({r['threads']} threads, load {r['load_average']:.1f}): decode "
                       f"{r['decode_tok_s']:.2f} tok/s ({1e3 * r['decode_cpu_s_per_token']:.1f} ms CPU/token), prefill-512 {r['prefill_tok_s']:.1f} tok/s, RSS growth "
                       f"{r['rss_growth'] / 2**20:.0f} MiB (after load {r['rss_after_load'] / 2**20:.0f}, anonymous "
-                      f"{r['anon_growth'] / 2**20:.0f}), load {r['load_s']:.1f} s", flush=True)
+                      f"{r['anon_growth'] / 2**20:.0f}), load {r['load_s']:.1f} s; MiB: weights + KV + workspace "
+                      f"{model_bytes(r) / 2**20:.1f} (" + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r["tensors"].items())
+                      + f"), the rest of the growth (vLLM's, Python's) {(r['rss_growth'] - model_bytes(r)) / 2**20:.0f}",
+                      flush=True)
                 results.setdefault("rounds", []).append({name: r})
                 best = results.get(name)
                 if best is None:
@@ -346,12 +393,18 @@ def main() -> None:
                         if r[f"{key}_tok_s"] > best[f"{key}_tok_s"]:
                             best.update({k: v for k, v in r.items() if k.startswith(key) and "cpu" not in k})
                     best["decode_cpu_s_per_token"] = min(best["decode_cpu_s_per_token"], r["decode_cpu_s_per_token"])
-    e, b = results["exl3"], results["bf16"]
-    results["ratios"] = {"decode": e["decode_tok_s"] / b["decode_tok_s"], "prefill": e["prefill_tok_s"] / b["prefill_tok_s"],
-                         "decode_cpu": b["decode_cpu_s_per_token"] / e["decode_cpu_s_per_token"],
-                         "rss_growth": e["rss_growth"] / b["rss_growth"], "anon_growth": e["anon_growth"] / b["anon_growth"]}
-    print("EXL3/bf16: decode {decode:.2f}x (by CPU time per token {decode_cpu:.2f}x), prefill-512 {prefill:.2f}x, "
-          "RSS growth {rss_growth:.2f}x (anonymous {anon_growth:.2f}x)".format(**results["ratios"]))
+    b = results["bf16"]
+    for name in [n for n, _, _ in runs[1:]]:
+        e = results[name]
+        results[f"ratios_{name}"] = {
+            "decode": e["decode_tok_s"] / b["decode_tok_s"], "prefill": e["prefill_tok_s"] / b["prefill_tok_s"],
+            "decode_cpu": b["decode_cpu_s_per_token"] / e["decode_cpu_s_per_token"],
+            "rss_growth": e["rss_growth"] / b["rss_growth"], "anon_growth": e["anon_growth"] / b["anon_growth"],
+            "tensors": model_bytes(e) / model_bytes(b),
+        }  # fmt: skip
+        print(f"{name}/bf16: " + "decode {decode:.2f}x (by CPU time per token {decode_cpu:.2f}x), prefill-512 "
+              "{prefill:.2f}x, RSS growth {rss_growth:.2f}x (anonymous {anon_growth:.2f}x; the tensors alone: weights "
+              "+ KV + workspace {tensors:.2f}x)".format(**results[f"ratios_{name}"]))
     if not args.skip_linears:
         linears(args, cfg, results)
     print(json.dumps(results))
@@ -370,7 +423,8 @@ def linears(args, cfg: dict, results: dict) -> None:
         print(f"linear {r['k']}x{r['n']} ({r['threads']} threads): EXL3 {r['exl3_us']:.0f} us ({r['exl3_ns_per_weight']:.3f} "
               f"ns/w, {r['exl3_gb_s']:.2f} GB/s trellis, CPU {r['exl3_cpu_ns_per_weight']:.3f} ns/w) vs bf16 "
               f"{r['bf16_us']:.0f} us ({r['bf16_ns_per_weight']:.3f} ns/w, {r['bf16_gb_s']:.2f} GB/s, CPU "
-              f"{r['bf16_cpu_ns_per_weight']:.3f} ns/w)")
+              f"{r['bf16_cpu_ns_per_weight']:.3f} ns/w); EXL3 int8 opt-in {r['int8_ns_per_weight']:.3f} ns/w, CPU "
+              f"{r['int8_cpu_ns_per_weight']:.3f} ns/w")
     if args.linears_only:
         print(json.dumps(results))
 
