@@ -93,13 +93,16 @@ def main() -> None:
     compile_one(triton_moe._combine_kernel, {"y_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
                                              "size_n": "i32", "n_out": "i32"},
                 dict(TOP_K=8, BN=triton_moe.COMBINE_BLOCK))
+    # the v3 ring-dot kernel is bench/kernels.py's baseline only (its ring_dot body is compiled inside the fused
+    # kernel at every rate below): once, with ids, so a CI run does not spend a fifth of its compile time on it
+    block_nt, block_kt, warps = triton_gemv.ring_dot_config(3)
+    compile_one(triton_gemv.exl3_ring_dot_kernel, MATMUL_ARGS,
+                dict(triton_decode.rate_constants(3, "mcg"), HAS_IDS=True, BM=16, BNT=block_nt, KT=block_kt),
+                num_warps=warps)
     # one rate per super-lane width G (1, 2, 4, 8) and every codebook
     for codebook, bits in (("mul1", 4), ("3inst", 2), ("mcg", 3), ("mul1", 2.5)):
         rate = triton_decode.rate_constants(bits, codebook)
         block_nt, block_kt, warps = triton_gemv.ring_dot_config(bits)
-        for block_m, has_ids in ((16, False), (64, False), (16, True)):
-            compile_one(triton_gemv.exl3_ring_dot_kernel, MATMUL_ARGS,
-                        dict(rate, HAS_IDS=has_ids, BM=block_m, BNT=block_nt, KT=block_kt), num_warps=warps)
         # FLAT=False (the trellis words as [KT, BNT, 32/G] loads) once, at a rate whose super-lanes span 3 words
         variants = ((False, True, 0, True), (True, True, 0, True), (False, False, 0, True), (False, True, 3, True))
         for has_ids, split, parts, flat in variants + (((False, True, 0, False),) if bits == 3 else ()):
