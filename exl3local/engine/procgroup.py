@@ -8,13 +8,32 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 from exl3local import paths
 
 # (pgid, only these pids or None for all of /proc) -> pid -> state letter of live members
 States = Callable[[int, Sequence[int] | None], dict[int, str]]
+
+
+
+# The OS effects the supervisor is given (the functions below are the real ones; tests pass their own).
+class Process(Protocol):
+    pid: int
+    returncode: int | None
+    stdout: asyncio.StreamReader | None
+
+    async def wait(self) -> int: ...
+
+
+Spawn = Callable[[Any], Awaitable[Process]]
+Health = Callable[[Any], Awaitable[bool]]
+# (spec, engine pgid) -> None when the engine group itself listens on spec's port, else who does
+ListenerCheck = Callable[[Any, int], str | None]
+# (host, port) -> None when the port is free to bind, else who holds it
+PortCheck = Callable[[str, int], str | None]
+
 
 async def spawn_process(spec: Any) -> asyncio.subprocess.Process:
     """The engine in its own session (= process group), cwd = the state dir, output merged."""

@@ -9,13 +9,11 @@ READY is believed only from our own engine: /health must answer 200 *and* the so
 the engine port must belong to the engine's process group (another process that took the port
 after a crash would otherwise collect users' prompts). The port is checked before every start, so
 a squatted port ends in FAILED naming its owner. READY is left the moment the leader is reaped
-(before its group is), and a liveness check while READY sees an engine that stopped answering: a
-member of the group stopped (SIGSTOP, state T) on two checks in a row, or /health failing for
-`hang_timeout_s`, kills the group and restarts it (docs/api.md, "When READY is said").
+(before its group is); a hang while READY (engine/liveness.py) kills the group and restarts it
+(docs/api.md, "When READY is said").
 
-The output pipe is always drained: a failing `on_output` (full disk under engine.log) never stops
-the pump, or vLLM would block writing its stdout. The first Python exception of a failed start is
-its `cause`; the same cause on two failed starts in a row is deterministic and ends in FAILED at
+The output pipe is always drained (engine/output.py). The first Python exception of a failed start
+is its `cause`; the same cause on two failed starts in a row is deterministic and ends in FAILED at
 once, with the cause as the first line of `last_error`.
 
 The decisions (`after_exit`, `backoff_delay_s`) are plain methods over an injected clock; the OS
@@ -31,14 +29,20 @@ import logging
 import os
 import shutil
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from exl3local.api.protocol import EngineState
-from exl3local.engine.cause import CauseFinder, same_cause
+from exl3local.engine import liveness
+from exl3local.engine.cause import same_cause
+from exl3local.engine.output import EngineOutput
 from exl3local.engine.procgroup import (
+    Health,
+    ListenerCheck,
+    PortCheck,
+    Process,
+    Spawn,
     States,
     Unkillable,
     end_group,
@@ -46,13 +50,10 @@ from exl3local.engine.procgroup import (
     group_states,
     http_health,
     port_taken,
-    process_name,
     spawn_process,
 )
 
 log = logging.getLogger(__name__)
-
-TAIL_BYTES = 8 * 1024  # Ollama's StatusWriter keeps the same amount of runner stderr
 
 
 @dataclass(frozen=True)
@@ -73,22 +74,6 @@ class Policy:
     # loaded machine answers /health late, not never).
     liveness_poll_s: float = 2.0
     hang_timeout_s: float = 30.0
-
-
-class Process(Protocol):
-    pid: int
-    returncode: int | None
-    stdout: asyncio.StreamReader | None
-
-    async def wait(self) -> int: ...
-
-
-Spawn = Callable[[Any], Awaitable[Process]]
-Health = Callable[[Any], Awaitable[bool]]
-# (spec, engine pgid) -> None when the engine group itself listens on spec's port, else who does
-ListenerCheck = Callable[[Any, int], str | None]
-# (host, port) -> None when the port is free to bind, else who holds it
-PortCheck = Callable[[str, int], str | None]
 
 
 class Supervisor:
@@ -115,7 +100,7 @@ class Supervisor:
         self.states = states
         self.clock = clock
         self.policy = policy or Policy()
-        self.on_output = on_output  # every chunk of engine output (the daemon's rotating log)
+        self.output = EngineOutput(clock, on_output)
         self.on_spawn = on_spawn  # engine record for orphan clean-up
         self.on_reaped = on_reaped
         self.state = EngineState.STOPPED
@@ -129,15 +114,9 @@ class Supervisor:
         self.last_error: str | None = None
         self.exit_status: int | None = None
         self.stderr_tail = ""
-        self.progress = ""
-        self.output_errors = 0  # chunks on_output failed to take (they still reach the tail)
         self.unkillable: str | None = None  # members that outlived SIGKILL (D state): why FAILED
         self._hung: str | None = None  # declare_hung(): the reason, until the liveness loop acts on it
-        self._cause = CauseFinder()
         self._previous_cause: str | None = None  # of the last start that failed before READY
-        self._tail: deque[bytes] = deque()
-        self._tail_len = 0
-        self._last_output = clock()
         self._task: asyncio.Task[None] | None = None
         self._reaping: tuple[Process, asyncio.Future[None]] | None = None
         self._changed = asyncio.Event()
@@ -177,7 +156,7 @@ class Supervisor:
         repeated = never_ready and same_cause(cause, self._previous_cause)
         self._previous_cause = cause if never_ready else None
         self.exit_status = status
-        self.stderr_tail = self.tail_text()
+        self.stderr_tail = self.output.tail_text()
         self.last_error = f"{cause}\n{reason}" if cause else reason
         self.ready_since = None
         if repeated:
@@ -195,8 +174,14 @@ class Supervisor:
         self.retry_at = None
         return EngineState.FAILED
 
-    def tail_text(self) -> str:
-        return b"".join(self._tail).decode("utf-8", "replace")[-TAIL_BYTES:]
+    @property
+    def progress(self) -> str:
+        """The engine's latest output line (shown while STARTING)."""
+        return self.output.progress
+
+    @property
+    def output_errors(self) -> int:
+        return self.output.errors
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()
@@ -290,13 +275,13 @@ class Supervisor:
 
     async def _run_once(self, proc: Process) -> EngineState:
         """One engine's life, from spawn to reaped group; the output is drained throughout."""
-        reader = asyncio.create_task(self._pump(proc))
+        reader = asyncio.create_task(self.output.pump(proc.stdout))
         try:
             outcome, status, detail = await self._watch(proc)
             if self.state == EngineState.READY:  # leave READY the moment it is gone; FAILED may follow
                 self.last_error = self._reason(outcome, status, detail)
                 self._set(EngineState.BACKOFF)
-            await self._drain(reader)  # the traceback of a failed start lands in the tail
+            await self.output.drain(reader)  # the traceback of a failed start lands in the tail
             nxt = self._decide(outcome, status, detail)
             self._set(nxt)
             await self._reap(proc, 0.0 if outcome in ("hung", "squatted") else self.policy.stop_timeout_s)
@@ -312,7 +297,7 @@ class Supervisor:
             return self.give_up(
                 f"port {self.spec.port} on {self.spec.host} answers /health but is held by {detail}, not by the "
                 "engine; the engine was stopped so that no request is served by that process")
-        return self.after_exit(status, self._reason(outcome, status, detail), self._cause.cause)
+        return self.after_exit(status, self._reason(outcome, status, detail), self.output.cause.cause)
 
     def _reason(self, outcome: str, status: int | None, detail: str) -> str:
         return {
@@ -322,16 +307,12 @@ class Supervisor:
 
     async def _launch(self) -> Process | None:
         self._hung = None
-        self._tail.clear()
-        self._tail_len = 0
-        self.progress = ""
-        self._cause = CauseFinder()
-        self._last_output = self.clock()
+        self.output.new_start()
         os.makedirs(self.spec.tmpdir, mode=0o700, exist_ok=True)
         try:
             proc = await self.spawn(self.spec)
         except OSError as exc:
-            self._keep(f"cannot spawn {self.spec.argv[0]}: {exc}\n".encode())
+            self.output.keep(f"cannot spawn {self.spec.argv[0]}: {exc}\n".encode())
             return None
         self.proc = proc
         if self.on_spawn:
@@ -354,52 +335,18 @@ class Supervisor:
                     self.ready_since = self.clock()
                     self._set(EngineState.READY)  # STARTING -> READY
                     break
-                if self.clock() - self._last_output > self.policy.stall_timeout_s:
+                if self.clock() - self.output.last > self.policy.stall_timeout_s:
                     return "stall", None, ""
-            return await self._live(proc, exited)
+            outcome, detail = await liveness.watch(proc.pid, exited, spec=self.spec, policy=self.policy,
+                                                   clock=self.clock, states=self.states, health=self.health,
+                                                   declared=self._take_hung)
+            return outcome, proc.returncode if outcome == "exit" else None, detail
         finally:
             exited.cancel()
 
-    async def _live(self, proc: Process, exited: asyncio.Future[int]) -> tuple[str, int | None, str]:
-        """READY until the leader exits or the engine hangs: a member stopped on two checks in a
-        row, or /health unanswered for hang_timeout_s. The members are listed once (a /proc scan)
-        and re-listed every 15 checks; in between only their own stat files are read."""
-        members: list[int] = []
-        stopped: set[int] = set()  # members seen stopped at the previous check
-        unanswered_since: float | None = None
-        check = 0
-        while True:
-            done, _ = await asyncio.wait({exited}, timeout=self.policy.liveness_poll_s)
-            if done:
-                return "exit", proc.returncode, ""
-            if self._hung is not None:
-                reason, self._hung = self._hung, None
-                return "hung", None, reason
-            states = self.states(proc.pid, None if check % 15 == 0 or not members else members)
-            members, check = list(states), check + 1
-            now_stopped = {pid for pid, st in states.items() if st in "Tt"}
-            if now_stopped & stopped:
-                return "hung", None, ", ".join(f"{process_name(pid)} (pid {pid}) is stopped (state {states[pid]})"
-                                               for pid in sorted(now_stopped & stopped))
-            stopped = now_stopped
-            if await self.health(self.spec):
-                unanswered_since = None
-            elif exited.done():  # it failed /health because it just died
-                return "exit", proc.returncode, ""
-            elif unanswered_since is None:
-                unanswered_since = self.clock()
-            elif self.clock() - unanswered_since >= self.policy.hang_timeout_s:
-                return "hung", None, f"/health has not answered for {self.policy.hang_timeout_s:.0f} s"
-
-    async def _drain(self, reader: asyncio.Task[None]) -> None:
-        """Let the last output land in the tail (the traceback of a failed start): until the pipe
-        closes or stays quiet for a moment. EngineCore and workers may hold it open for seconds."""
-        deadline = self.clock() + 1.0
-        while not reader.done() and self.clock() < deadline:
-            quiet_since = self._last_output
-            await asyncio.wait({reader}, timeout=0.1)
-            if self._last_output == quiet_since and self.clock() - quiet_since > 0.2:
-                return
+    def _take_hung(self) -> str | None:
+        reason, self._hung = self._hung, None
+        return reason
 
     async def _leader_exit(self, proc: Process) -> int:
         """The leader's exit status. Not proc.wait(): on Python 3.11 that also waits for every
@@ -409,40 +356,6 @@ class Supervisor:
         while proc.returncode is None:
             await asyncio.sleep(self.policy.exit_poll_s)
         return proc.returncode
-
-    async def _pump(self, proc: Process) -> None:
-        """Drain the engine's output until EOF, whatever happens to the output's consumers: an
-        undrained pipe blocks vLLM's own writes, and with them every request."""
-        if proc.stdout is None:
-            return
-        while True:
-            try:
-                chunk = await proc.stdout.readuntil(b"\n")
-            except asyncio.IncompleteReadError as exc:  # EOF: the last line had no newline
-                chunk = exc.partial
-            except asyncio.LimitOverrunError as exc:
-                # A line over the reader's limit (64 KiB): take what is buffered, which readuntil
-                # leaves in place (readline would have dropped it), and the rest comes next.
-                chunk = await proc.stdout.read(max(exc.consumed, 1))
-            if not chunk:
-                return
-            self._keep(chunk)
-            self._last_output = self.clock()
-            line = chunk.decode("utf-8", "replace")
-            self._cause.feed(line)
-            if line.strip():
-                self.progress = line.strip()[-200:]
-            if self.on_output:
-                try:
-                    self.on_output(chunk)
-                except Exception:  # noqa: BLE001 — the chunk is dropped, the pump goes on
-                    self.output_errors += 1
-
-    def _keep(self, chunk: bytes) -> None:
-        self._tail.append(chunk)
-        self._tail_len += len(chunk)
-        while self._tail_len - len(self._tail[0]) >= TAIL_BYTES and len(self._tail) > 1:
-            self._tail_len -= len(self._tail.popleft())
 
     async def _reap(self, proc: Process, grace_s: float) -> None:
         """The whole group goes, whatever happened to the leader; then its TMPDIR. Shielded and

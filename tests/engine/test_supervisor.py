@@ -280,7 +280,7 @@ async def test_output_is_drained_when_its_consumer_fails(harness):
         taken.append(chunk)
         raise OSError(28, "No space left on device")
 
-    sup.on_output = full_disk
+    sup.output.on_output = full_disk
     await sup.start(spec)
     while not procs:
         await asyncio.sleep(0.01)
@@ -303,7 +303,7 @@ async def test_a_line_over_the_readers_limit_keeps_its_text(harness):
     """asyncio's readline drops a line over its 64 KiB limit; the log must still get every byte."""
     sup, procs, healthy, killed, spec = harness
     taken: list[bytes] = []
-    sup.on_output = taken.append
+    sup.output.on_output = taken.append
     await sup.start(spec)
     while not procs:
         await asyncio.sleep(0.01)
