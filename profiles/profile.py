@@ -174,6 +174,12 @@ SCHEMA: dict[str, dict[str, Callable[[object], Any]]] = {
         # a request names another installed model while requests are in flight: they may run this long before
         # the switch; past it the new request gets 503 + Retry-After (default 60s; 0 refuses at once)
         "switch_wait": _bounded_duration,
+        # how an idle engine gives memory back: "auto" = vLLM's sleep mode where the backend has it (level 1 on a
+        # discrete card, 2 on an iGPU), else a stop; "stop" = always a stop (daemon/unload.py)
+        "idle_unload": _choice("auto", "stop"),
+        # prompt tokens per second this machine prefills at least: the wait for a request's first byte is
+        # progress_timeout + its prompt over this rate (or over a slower rate the endpoint measured)
+        "prefill_tokens_per_s": _float(1.0, 1e6),
     },
     "env": {},  # any NAME = "value"; checked by _env_value
     "memory": {

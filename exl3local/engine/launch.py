@@ -38,6 +38,7 @@ WARMUP_MIDDLEWARE = "exl3local.engine.warmup.WarmUpBeforeReady"
 API_KEY_FILE_ENV = env.API_KEY_FILE.name
 API_KEY_ENV = env.API_KEY.name
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 # Profile switches vLLM turns on unless told `--no-...`; the others are off unless given.
 VLLM_SWITCHES_ON_BY_DEFAULT = frozenset({"enable_prefix_caching"})
 
@@ -197,6 +198,7 @@ def build(
     cards: Sequence[Any] = (),
     affinity: Sequence[int] | None = None,
     uds: str | None = None,
+    sleep_mode: bool = False,
 ) -> LaunchSpec:
     """model_dir: a local EXL3 checkpoint; profile: profiles.Profile; budget: budget.Budget;
     gpu/gpus: hardware.GpuInfo of the chosen device and of all devices (slot order); cards: the identical cards
@@ -226,6 +228,8 @@ def build(
     if not profile.vllm.get("tool_call_parser"):
         argv += ["--middleware", TOOLS_OFF_MIDDLEWARE]  # vLLM's 400 for `tools` names its flags; ours, our switch
     argv += ["--middleware", WARMUP_MIDDLEWARE]  # /health says 200 once the first logprobs compile is done
+    if sleep_mode:  # the idle unload sleeps instead of stopping (daemon/unload.py chooses)
+        argv.append("--enable-sleep-mode")
     env = dict(os.environ if base_env is None else base_env)
     key = api_key(env)
     env.pop(API_KEY_ENV, None)  # vLLM reads its own name; ours need not travel further
@@ -254,6 +258,8 @@ def build(
         TRACE_DIR_ENV: str(Path(tmpdir) / "kernel-paths"),
         PARENT_PID_ENV: str(parent_pid if parent_pid is not None else os.getpid()),
     })
+    if sleep_mode:  # vLLM serves /sleep and /wake_up only in its dev mode; the front keeps those paths private
+        env[DEV_MODE_ENV] = "1"
     return LaunchSpec(argv=tuple(argv), env=env, host=host, port=port, served_model_name=name, tmpdir=tmpdir, uds=uds)
 
 

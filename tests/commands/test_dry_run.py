@@ -90,6 +90,9 @@ def test_a_pinned_igpu_engine_asks_vllm_for_what_it_holds(tmp_path, xdg, tiny, r
     ttm = plan["memory"]["ttm_pages_limit_bytes"]
     assert ttm == ram // 2 // PAGE * PAGE
     assert bud["engine_bytes"] - profiles.load("claw8").memory["engine_overhead_bytes"] <= ttm
+    # idle, an iGPU's engine drops its weights (sleep level 2): a level 1 would copy them from RAM to RAM
+    assert plan["idle_unload"]["how"] == "sleep level 2" and "--enable-sleep-mode" in argv
+    assert plan["env"]["VLLM_SERVER_DEV_MODE"] == "1"
 
 
 def test_an_igpu_runtime_without_enough_free_memory_is_refused_in_our_words(tmp_path, xdg, tiny):
@@ -115,6 +118,8 @@ def test_a_b70_with_resizable_bar_is_sized_from_its_bar(tmp_path, xdg, tiny, bar
     assert plan["profile"] == "b70" and plan["gpu"]["memory_bytes"] == bar
     assert flag(plan["argv"], "--gpu-memory-utilization") == str(profiles.load("b70").memory["gpu_memory_utilization"])
     assert plan["env"]["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE"
+    # idle, a discrete card's engine moves its weights to host RAM (sleep level 1)
+    assert plan["idle_unload"]["how"] == "sleep level 1" and "--enable-sleep-mode" in plan["argv"]
 
 
 def test_a_b70_without_resizable_bar_asks_the_engine_runtime(tmp_path, xdg, tiny):

@@ -33,6 +33,12 @@ def test_the_api_key_is_enforced_at_the_front(box, tiny_models, tmp_path):
     ok = httpx.post(completion, json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200 and ok.json()["model"] == TINY  # forwarded: the stand-in answered
     assert httpx.get(f"http://127.0.0.1:{box.engine_port}/health").status_code == 200  # open, as in vLLM
+    # vLLM's dev routes (a sleeping engine's /sleep, /wake_up, /collective_rpc) are the daemon's, not forwarded:
+    # also spelled with a percent-escape or a trailing slash, which the engine's router reads as the same path
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/sleep?level=1", "/%77ake_up", "/collective_rpc/", "/is_sleeping"):
+        private = httpx.post(f"http://127.0.0.1:{box.engine_port}{path}", headers=auth)
+        assert private.status_code == 404 and "is not served by this endpoint" in private.json()["error"]["message"]
     # a browser's CORS preflight carries no key: it reaches the engine (the stand-in has no OPTIONS: 501)
     preflight = httpx.options(url, headers={"Origin": "http://localhost:5173", "Access-Control-Request-Method": "GET"})
     assert preflight.status_code == 501

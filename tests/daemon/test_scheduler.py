@@ -12,6 +12,7 @@ import httpx
 
 from exl3local.api.protocol import EngineState
 from exl3local.daemon.scheduler import Scheduler
+from exl3local.daemon.unload import STOP
 
 from private_user import pid_alive
 
@@ -31,6 +32,7 @@ def test_an_idle_engine_is_unloaded_and_the_next_request_wakes_it(box, tiny_mode
     leader, child = box.engines()[-1]
     assert not pid_alive(leader) and not pid_alive(child) and idle["engine_pid"] is None
     assert idle["idle_freed_bytes"] > 10 * 2**20 and idle["idle_since"] <= time.time()
+    assert idle["idle_unload"] == "engine stopped" and "no sleep mode on this backend" in idle["idle_detail"]
     text = box.cli("status").stdout
     assert "IDLE since" in text and "freed; the next request starts it" in text and "unloaded after 2s" in text, text
     # /v1/models is the front's own answer: it lists, and wakes nothing
@@ -67,7 +69,7 @@ async def test_no_unload_while_a_request_is_in_flight():
         sup.state = EngineState.STOPPED
 
     sup = SimpleNamespace(state=EngineState.READY, stop=stop, snapshot=lambda: {"engine_pid": None})
-    plan = SimpleNamespace(profile=SimpleNamespace(endpoint={"keep_alive": "30s"}))
+    plan = SimpleNamespace(profile=SimpleNamespace(endpoint={"keep_alive": "30s"}), unload=STOP)
     daemon = SimpleNamespace(sup=sup, plan=plan, _lock=asyncio.Lock(), engine_log=SimpleNamespace(mark=print))
     sched = Scheduler(daemon, clock=lambda: clock.now)
     sched.begin()  # a long generation: nothing is sent for longer than the keep-alive
