@@ -83,6 +83,8 @@ class TrayView:
     endpoint: str | None = None
     profile: str | None = None
     detail: str = ""  # last error, or why the daemon is unreachable
+    switch_to: str | None = None  # a request named this model: loaded once the requests in flight end
+    waiting: int = 0  # requests waiting for that switch or for READY
 
     @classmethod
     def of(cls, status: DaemonStatus | None, detail: str = "") -> TrayView:
@@ -94,6 +96,8 @@ class TrayView:
             endpoint=status.endpoint,
             profile=status.profile,
             detail=status.last_error or "",
+            switch_to=status.switch_to,
+            waiting=status.requests_waiting,
         )
 
     @property
@@ -112,7 +116,16 @@ class TrayView:
             parts.append(self.endpoint)
         if self.state in ("FAILED", "BACKOFF") and self.detail:
             parts.append(self.detail.splitlines()[0][:120])
+        if self.switching:
+            parts.append(self.switching)
         return " · ".join(parts)
+
+    @property
+    def switching(self) -> str:
+        """A pending switch, in the words `status` and the dashboard use."""
+        if not self.switch_to:
+            return ""
+        return f"switching to {self.switch_to}" + (f" · {self.waiting} waiting" if self.waiting else "")
 
     @property
     def state_words(self) -> str:
@@ -120,6 +133,8 @@ class TrayView:
         words = STATE_WORDS[self.state]
         if self.state in ("FAILED", "BACKOFF") and self.detail:
             words += f": {self.detail.splitlines()[0][:80]}"
+        if self.switching:
+            words += f" · {self.switching}"
         return f"Engine: {words}" if self.state != DOWN else words
 
     @property

@@ -100,6 +100,10 @@ def test_tooltip_says_state_model_and_endpoint_or_why_it_failed():
     failed = DaemonStatus.from_json({**READY, "state": "FAILED", "last_error": "BudgetError: short by 1 GiB\nmore"})
     assert tray.TrayView.of(failed).title == "exl3local: failed · tiny · BudgetError: short by 1 GiB"
     assert tray.TrayView.of(None).title == "exl3local: daemon not running"
+    # a request named another model: the switch waits for the requests in flight, and says so
+    switching = tray.TrayView.of(DaemonStatus.from_json({**READY, "switch_to": "model-b", "requests_waiting": 2}))
+    assert switching.title == "exl3local: ready · tiny · http://127.0.0.1:11436/v1 · switching to model-b · 2 waiting"
+    assert switching.state_words == "Engine: Ready · switching to model-b · 2 waiting"
 
 
 def test_menu_shows_state_in_words_model_and_endpoint(app, daemon):
