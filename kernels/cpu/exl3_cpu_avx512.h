@@ -68,11 +68,11 @@ template <int CB>
 inline __m512 decode16(__m512i s) {
     __m512 f;
     if constexpr (CB == CB_MUL1) {
-        const __m512i x = _mm512_mullo_epi32(s, _mm512_set1_epi32((int)0x83DCD12Du));
+        const __m512i x = _mm512_mullo_epi32(s, _mm512_set1_epi32((int)MUL1_HASH));
         // The byte sum lands in the mantissa of 2^23 (float bits 0x4B000000 + sum = 2^23 + sum), and the affine
         // constant absorbs the 2^23 - 1024: the fma's one rounding of an exactly representable value is exact.
         const __m512i sum = _mm512_dpbusd_epi32(_mm512_set1_epi32(0x4B000000), x, _mm512_set1_epi32(0x01010101));
-        constexpr double k_inv = 887.0 / 131072.0;
+        constexpr double k_inv = MUL1_SCALE;  // exact in fp32
         constexpr float bias = (float)(-1329.0 / 128.0 + (1024.0 - 8388608.0) * k_inv);
         f = _mm512_fmadd_ps(_mm512_castsi512_ps(sum), _mm512_set1_ps((float)k_inv), _mm512_set1_ps(bias));
         // fp16 rounding as a Veltkamp split (c = f * (2^13 + 1); f rounded to 11 bits = c - (c - f)): three FMA-port
@@ -170,8 +170,9 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
 
 // gemv_chunk for int8 activations (mul1 only): per 16 weights the state hash and one vpdpbusd, which multiplies the
 // hash's 4 bytes by the row's int8 activation and adds them, i.e. bytesum * q, into int32 lanes. The codebook's scale
-// and offset (and the fp16 rounding, skipped here) leave the loop: y = qa * sum(bytesum * q) + offset * qa-scale * Q.
-// acc: m * CHUNK_TILES * POSITIONS int32 (64-byte aligned), qe: m * 16 vectors.
+// and offset (and Ŵ's fp16 rounding, skipped here) leave the loop: per column, row scale * (MUL1_SCALE * sum of
+// bytesum * q + MUL1_OFFSET * sum of q), from quantize_rows' qab. acc: m * CHUNK_TILES * POSITIONS int32 (64-byte
+// aligned), qe: m * 16 vectors.
 void gemv_chunk_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const Groups& g, const int32_t* q4,
                    const float* qab, int m, int c, int32_t* acc, __m512i* qe, const float* svh, float* y,
                    size_t y_stride) {
@@ -180,7 +181,7 @@ void gemv_chunk_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate&
     std::memset(acc, 0, sizeof(int32_t) * m * CHUNK_TILES * POSITIONS);
     const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
     const int chunk_bytes = CHUNK_TILES * words16 * 2;
-    const __m512i hash = _mm512_set1_epi32((int)0x83DCD12Du);
+    const __m512i hash = _mm512_set1_epi32((int)MUL1_HASH);
     for (int tk = 0; tk < tiles_k; ++tk) {
         if (tk + 4 < tiles_k) {
             const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);

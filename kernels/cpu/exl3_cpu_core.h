@@ -143,7 +143,8 @@ struct Units {
 };
 
 // mul1's weight before its fp16 rounding is MUL1_SCALE * bytesum + MUL1_OFFSET (format spec: the byte sum of
-// state * 0x83DCD12D, centred and scaled).
+// state * MUL1_HASH, centred and scaled).
+constexpr uint32_t MUL1_HASH = 0x83DCD12Du;
 constexpr float MUL1_SCALE = 887.0f / 131072.0f;
 constexpr float MUL1_OFFSET = -442.0f / 128.0f;
 
