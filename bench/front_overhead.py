@@ -2,6 +2,10 @@
 requests sent straight to vLLM's Unix socket, on one engine, alternating, in one run.
 
     .venv/bin/python -P bench/front_overhead.py [--rounds 3] [--tokens 64] [--concurrency 1 8] [MODEL_DIR]
+    .venv/bin/python -P bench/front_overhead.py --standin tests/support/standin_engine.py MODEL_DIR
+
+--standin SCRIPT: that Python file stands in for vLLM (it streams max_tokens SSE events STANDIN_TOKEN_S apart,
+0.01 s unless set), so the difference is the endpoint's own cost, without vLLM competing for the cores.
 
 Default model: the bundled demo (`up --demo`). Per concurrency level and path: TTFT p50 (request sent →
 first token event) and decode tok/s per request (tokens after the first / time from first to last),
@@ -75,9 +79,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--standin", type=Path, help="a Python file that stands in for vLLM (see above)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="exl3b-", dir="/tmp") as tmp:
         env = isolated_env(Path(tmp))
+        if args.standin:
+            wrapper = Path(tmp) / "engine-python"
+            wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {args.standin.resolve()} \"$@\"\n")
+            wrapper.chmod(0o755)
+            (Path(tmp) / "nosys").mkdir()
+            env.update(EXL3LOCAL_ENGINE_PYTHON=str(wrapper), EXL3LOCAL_SYSFS=str(Path(tmp) / "nosys"),
+                       STANDIN_LOG=str(Path(tmp) / "engines.log"))
+            env.setdefault("STANDIN_TOKEN_S", "0.01")
         up = cli(env, "up", *([args.model] if args.model else ["--demo"]))
         try:
             if up.returncode != 0:
@@ -90,7 +103,8 @@ def main() -> None:
                                       args.concurrency))
         finally:
             cli(env, "down")
-    print(f"model {status['model']}, {args.tokens} tokens per request, {args.rounds} rounds per path")
+    engine = f"stand-in {args.standin.name}" if args.standin else "vLLM"
+    print(f"model {status['model']} on {engine}, {args.tokens} tokens per request, {args.rounds} rounds per path")
     for c, paths in res.items():
         f, d = paths["front"], paths["direct"]
         print(f"concurrency {c}: TTFT p50 front {f['ttft_p50_ms']:.1f} ms, direct {d['ttft_p50_ms']:.1f} ms "
