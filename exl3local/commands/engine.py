@@ -250,8 +250,8 @@ def format_status(st: DaemonStatus) -> str:
         ("state", st.state.value + (f" (retry in {st.retry_in_s:.0f}s)" if st.retry_in_s else "")
          + (f" since {time.strftime('%H:%M:%S', time.localtime(st.idle_since))}, "
             f"{format_bytes(st.idle_freed_bytes, 'memory')} freed; the next request "
-            f"{'starts' if st.idle_unload == 'engine stopped' else 'wakes'} it ({st.idle_detail})"
-            if st.idle_since else "")),
+            f"{'wakes' if (st.idle_unload or '').startswith('sleep') else 'starts'} it"
+            + (f" ({st.idle_detail})" if st.idle_detail else "") if st.idle_since else "")),
         ("model", st.model or "-"),
         ("served as", st.served_model_name or "-"),
         ("profile", st.profile or "-"),
