@@ -13,6 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "model_step.py"
 
 
+@pytest.mark.slow  # a minute of interpreted kernels
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
 def test_smoke_run_times_a_tiny_moe_model_at_decode_and_grouped_row_counts(tmp_path):
     proc = subprocess.run([sys.executable, "-P", str(BENCH), "--smoke", "--out", str(tmp_path)],

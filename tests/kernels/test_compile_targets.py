@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two compiles of every kernel: minutes on CI
 triton = pytest.importorskip("triton")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 # scripts/setup installs Intel's backend here, outside the venv's import path: it is also named `triton`.

@@ -264,8 +264,11 @@ def test_triton_moe_refuses_gate_and_up_of_different_bits(experts):
     assert triton_moe_refusal(triton, proj) == "gate (4 bits) and up (3 bits) differ: no stacked w13 view"
 
 
+@pytest.mark.slow  # minutes of interpreted MoE kernels
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("tokens", [1, 2, 6])  # decode, verify, grouped: all on the unit kernel
+# decode and the smallest grouped call: every path is the same unit kernel on Triton (verify's 2-4 tokens included),
+# and under CI's interpreter each token costs ~25 s
+@pytest.mark.parametrize("tokens", [1, 5])
 def test_forced_triton_moe_kernel_matches_the_per_expert_reference_loop(experts, ckpt, monkeypatch, tokens):
     from exl3local.plugin import trace
     from exl3local.plugin.moe import select_path

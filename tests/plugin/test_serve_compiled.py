@@ -35,8 +35,10 @@ def test_compiled_engine_matches_the_oracle(tiny_models, fixtures_dir, tmp_path)
     oracle = load_file(fixtures_dir / "models" / MODEL / "oracle_logits.safetensors")
     seqs = list(iter_sequences(oracle))
     prompts = [(oracle[f"{s}.input_ids"].tolist(), len(oracle[f"{s}.greedy_tokens"])) for s in seqs]
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core and worker in this process (each spawned process would
+    # import vLLM again, ~15 s of CPU each on CI); the compiler runs the same
     env = {**os.environ, "VLLM_PLUGINS": "exl3", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-           "TMPDIR": str(tmp_path)}
+           "TMPDIR": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, "-P", "-c", SCRIPT, str(tiny_models[MODEL]), json.dumps(prompts)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr
