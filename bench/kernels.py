@@ -2,7 +2,7 @@
 
     python3 -P bench/kernels.py [--quick] [--out DIR] [--sections a,b,...]
 
-Run on the lent H200 by scripts/bench-kernels-device.sh (which also builds exllamav3's extension). Every
+Run on the lent H200 by bench/kernels-device.sh (which also builds exllamav3's extension). Every
 timing is triton.testing.do_bench's median with its L2 flush, output allocation inside the timed
 function; M <= 16 rows are also timed as CUDA-graph replays (do_bench_cudagraph, no flush). Correctness
 checks at full shapes come first: decoded Ŵ bit-exact against the reference decoder, and y against the
@@ -21,15 +21,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
-from step_timing import launches  # noqa: E402
+from kernels_alone import bench_breakdown, bench_reconstruct, bench_splits, bench_stages  # noqa: E402
+from kernels_common import (  # noqa: E402
+    DEADLINE, RESULTS, Exl3, bench_copy_bandwidth, bound_linear, host_profile, host_us, late, make_layer, rel, timed,
+)
+from step_timing import DEVICE, launches, log  # noqa: E402
 
 from exl3local.kernels import KernelSpec, prepare, reference  # noqa: E402
-from exl3local.kernels.bound import BoundLinear, bind_moe  # noqa: E402
-from exl3local.kernels.codebook import MCG_MULTIPLIER, MUL1_MULTIPLIER  # noqa: E402
+from exl3local.kernels.bound import bind_moe  # noqa: E402
 from exl3local.kernels.triton_decode import decode_dense  # noqa: E402
-from exl3local.kernels.triton_gemm import reconstruct_gemm, right_reconstruct  # noqa: E402
-from exl3local.kernels.triton_gemv import choose_splits, gemv, ring_config, ring_dot_config, ring_dot_partials, ring_partials  # noqa: E402
-from exl3local.kernels.triton_hadamard import input_transform, output_transform  # noqa: E402
+from exl3local.kernels.triton_gemm import reconstruct_gemm  # noqa: E402
+from exl3local.kernels.triton_gemv import gemv  # noqa: E402
 from exl3local.kernels.triton_moe import moe_decode, moe_units  # noqa: E402
 
 SHAPES_27B = [(5120, 5120), (5120, 1024), (5120, 17408), (17408, 5120)]
@@ -41,140 +43,6 @@ CROSSOVER_ROWS = (16, 32, 64, 128, 256, 512, 1024)
 CROSSOVER_SHAPE = [(5120, 17408)]
 BREAKDOWN_SHAPES = [(5120, 17408), (5120, 5120)]
 MOE = dict(experts=256, hidden=2048, intermediate=512, top_k=8)
-
-RESULTS: list[dict] = []
-DEVICE = ["cuda"]  # "cpu" only for --smoke (the interpreter, tiny shapes, wall-clock timer)
-DEADLINE = [0.0]  # epoch seconds; loops stop adding rows once past it (0: no deadline)
-
-
-def late() -> bool:
-    return bool(DEADLINE[0]) and time.time() > DEADLINE[0]
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
-
-
-def timed(fn, graph: bool = False) -> float:
-    """Median µs."""
-    import triton.testing
-
-    if DEVICE[0] == "cpu":
-        start = time.perf_counter()
-        fn()
-        return 1e6 * (time.perf_counter() - start)
-    if graph:
-        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-    return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-
-
-def host_us(fn, calls: int = 100) -> float:
-    """Host (CPU) µs per call while the GPU is kept busy, so no call waits on the device."""
-    if DEVICE[0] == "cpu":
-        return float("nan")
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(40_000_000)  # ~20 ms of GPU work queued ahead of the calls
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
-
-
-def bound_linear(trellis, suh, svh, bits, codebook):
-    """What the plugin binds per layer (one part), as bench callables take it."""
-    k, n = suh.shape[0], svh.shape[0]
-    kernel = prepare(KernelSpec(k, n, bits, codebook, torch.float16), trellis.device, "triton")
-    bound = BoundLinear([(kernel, trellis, suh, svh, n)], k)
-    bound.reserve()
-    return bound
-
-
-def host_profile(fn, calls: int = 300, top: int = 14) -> str:
-    """cProfile of `calls` calls with the GPU busy: where the host time of one call goes."""
-    import cProfile
-    import io
-    import pstats
-
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
-
-
-def make_layer(size_k, size_n, bits, codebook, seed=0, experts=None):
-    device = DEVICE[0]
-    g = torch.Generator(device=device).manual_seed(seed)
-    lead = () if experts is None else (experts,)
-    words = reference.words_per_tile(bits)
-    trellis = torch.randint(-32768, 32768, (*lead, size_k // 16, size_n // 16, words), generator=g,
-                            dtype=torch.int16, device=device)
-    suh = (torch.randn(*lead, size_k, generator=g, device=device) * 0.05).half()
-    svh = (torch.randn(*lead, size_n, generator=g, device=device) * 0.05).half()
-    return trellis, suh, svh
-
-
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-class Exl3:
-    """exllamav3's LinearEXL3 and grouped-expert GEMM on our tensors, if the package imports."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.error = None if enabled else "skipped (--no-exl3)"
-        if not enabled:
-            return
-        try:
-            from exllamav3.ext import exllamav3_ext as ext
-            from exllamav3.modules.quant.exl3 import LinearEXL3
-
-            self.ext, self.cls = ext, LinearEXL3
-        except Exception as exc:  # noqa: BLE001 -- the bench reports why the column is empty
-            self.error = f"{type(exc).__name__}: {exc}"
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @staticmethod
-    def markers(codebook: str, device):
-        mcg = torch.tensor(MCG_MULTIPLIER - (1 << 32), dtype=torch.int32, device=device) if codebook == "mcg" else None
-        mul1 = torch.tensor(MUL1_MULTIPLIER - (1 << 32), dtype=torch.int32, device=device) if codebook == "mul1" else None
-        return mcg, mul1
-
-    def linear(self, trellis, suh, svh, codebook):
-        """A LinearEXL3 over our tensors, or None (reason logged) if exllamav3 is missing or refuses them."""
-        if not self.ok:
-            return None
-        mcg, mul1 = self.markers(codebook, trellis.device)
-        k, n = suh.shape[0], svh.shape[0]
-        try:
-            return self.cls(None, k, n, suh=suh, svh=svh, trellis=trellis, mcg=mcg, mul1=mul1)
-        except Exception as exc:  # noqa: BLE001 -- the bench reports why the column is empty
-            log(f"exllamav3 LinearEXL3 refused {k}x{n} {codebook}: {type(exc).__name__}: {exc}")
-            return None
-
-
-def bench_copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE[0])
-    dst = torch.empty_like(src)
-    us = timed(lambda: dst.copy_(src))
-    gbps = 2 * src.numel() / us / 1e3
-    log(f"copy bandwidth: {gbps:.0f} GB/s (1 GiB copy, read+write, median {us:.0f} µs)")
-    del src, dst
-    return gbps
-
 
 def check_correctness(exl3: Exl3) -> None:
     log("\n== correctness at full shapes ==")
@@ -279,123 +147,6 @@ def bench_host(exl3: Exl3, shapes) -> None:
         RESULTS.append(row)
         log(f"MoE one projection T={tokens}: " + ", ".join(
             f"{name} {row[f'{name}_host_us']:.1f} µs/{row[f'{name}_launches']} launches" for name in calls))
-
-
-def bench_splits(shapes) -> None:
-    """The fused path's split-K count (graph replay, mul1 K4): the default (triton_gemv.choose_splits, tuned for
-    the three-launch path) against a half and a quarter of it, since the last split's tail grows with it."""
-    log("\n== fused split-K (graph µs, mul1 K4) ==")
-    for k, n in shapes:
-        trellis, suh, svh = make_layer(k, n, 4, "mul1", seed=4)
-        bound = bound_linear(trellis, suh, svh, 4, "mul1")
-        launch = bound.launches[0][0]
-        default = launch.split_for(1)[0]
-        for m in (1, 16):
-            x = torch.randn(m, k, device=DEVICE[0]).half()
-            variants = {}
-            for splits in sorted({default, max(1, default // 2), max(1, default // 4)}, reverse=True):
-                launch.splits[1] = (splits, launch.k_steps // splits)
-                launch.replan()  # plans and direct-launch templates hold the split count they were made with
-                variants[splits] = timed(lambda: bound(x), graph=True)
-            launch.splits[1] = (default, launch.k_steps // default)
-            launch.replan()
-            RESULTS.append(dict(kind="splits", k=k, n=n, m=m, default=default, variants=variants))
-            log(f"{k}x{n} M={m}: " + ", ".join(f"{sp} splits {us:.1f}" for sp, us in variants.items()))
-
-
-def bench_breakdown(shapes, bits_list=(2, 3, 4, 6, 8)) -> None:
-    """Where decode time goes: input transform, matmul kernel, output transform; matmul kernel variants
-    (ring-order dot: tiles per program x K tiles per step x warps x split-K; the ring FMA kernel) timed
-    as graph replays, per rate and codebook, plus the MoE units kernel."""
-    log("\n== GEMV breakdown and configs (graph replay, matmul kernel alone) ==")
-    configs = [(8, 1, 4), (8, 2, 4), (16, 1, 4), (4, 2, 4), (16, 2, 4), (8, 2, 8)]
-    for k, n in shapes:
-        for cb in ("mul1", "3inst"):
-            for bits in bits_list:
-                trellis, suh, svh = make_layer(k, n, bits, cb, seed=4)
-                for m in (1, 16):
-                    if late():
-                        return
-                    x = torch.randn(m, k, device=DEVICE[0]).half()
-                    u = input_transform(x, suh)
-                    z = ring_dot_partials(u, trellis, bits, cb, 16, 8, 2)
-                    parts = dict(input_us=timed(lambda: input_transform(x, suh), graph=True),
-                                 output_us=timed(lambda: output_transform(z, svh, None, x.dtype), graph=True))
-                    variants = {}
-                    if m == 1:
-                        bm, bnt0 = ring_config(m, bits)
-                        variants["fma_ring"] = timed(lambda: ring_partials(u, trellis, bits, cb, bm, bnt0), graph=True)
-                    for bnt, kt, warps in configs:
-                        if (n // 16) % bnt:
-                            continue
-                        base = choose_splits(n // 16 // bnt, k // 16 // kt, x.device)
-                        for splits in sorted({base, base * 2}):
-                            if (k // 16) % (splits * kt):
-                                continue
-                            key = f"dot_bnt{bnt}_kt{kt}_w{warps}_s{splits}"
-                            variants[key] = timed(lambda: ring_dot_partials(u, trellis, bits, cb, 16, bnt, kt, splits,
-                                                                            num_warps=warps), graph=True)
-                    best = min(variants, key=variants.get)
-                    row = dict(kind="breakdown", k=k, n=n, codebook=cb, bits=bits, m=m, **parts, variants=variants,
-                               best=best)
-                    RESULTS.append(row)
-                    top = sorted(variants.items(), key=lambda kv: kv[1])[:6]
-                    log(f"{k}x{n} {cb} K{bits} M={m}: in {parts['input_us']:.1f} out {parts['output_us']:.1f} µs | "
-                        f"best {best} {variants[best]:.1f} µs ({k * n / variants[best] / 1e3:.0f} Gw/s) | "
-                        + ", ".join(f"{key} {us:.1f}" for key, us in top)
-                        + (f" | fma_ring {variants['fma_ring']:.1f}" if "fma_ring" in variants else ""))
-    e_count, hidden, inter, top_k = MOE["experts"], MOE["hidden"], MOE["intermediate"], MOE["top_k"]
-    trellis, suh, svh = make_layer(hidden, inter, 4, "mul1", seed=1, experts=e_count)
-    for tokens in (1, 4):
-        ids = torch.randperm(e_count, device=DEVICE[0])[:tokens * top_k].int()
-        u = torch.randn(tokens * top_k, hidden, device=DEVICE[0]).half()
-        variants = {}  # the FMA kernel's MoE branch lost at T = 1 and 4 (h200-v3-bench.log) and was removed
-        for bnt, kt, warps in ((4, 1, 4), (8, 1, 4), (8, 2, 4), (4, 2, 4), (16, 1, 4)):
-            if (inter // 16) % bnt:
-                continue
-            variants[f"dot_bnt{bnt}_kt{kt}_w{warps}"] = timed(
-                lambda: ring_dot_partials(u, trellis, 4, "mul1", 16, bnt, kt, ids=ids, num_warps=warps), graph=True)
-        best = min(variants, key=variants.get)
-        RESULTS.append(dict(kind="breakdown_moe", tokens=tokens, variants=variants, best=best))
-        log(f"MoE gate units T={tokens}: best {best} {variants[best]:.1f} µs; all: "
-            + ", ".join(f"{key} {us:.1f}" for key, us in sorted(variants.items(), key=lambda kv: kv[1])))
-
-
-def bench_reconstruct(shapes) -> None:
-    """Prefill pieces at M = 2048 (mul1 K=4, eager, µs): the W_r reconstruct kernel per config (tile rows per
-    program, tile rows per dot, warps) and the input transform; the vendor matmul is timed in prefill."""
-    log("\n== reconstruct pieces (mul1 K=4, eager, µs; kernel alone) ==")
-    for k, n in shapes:
-        if late():
-            return
-        trellis, suh, svh = make_layer(k, n, 4, "mul1", seed=4)
-        x = torch.randn(PREFILL_ROWS, k, device=DEVICE[0]).half()
-        variants = {"input_transform": timed(lambda: input_transform(x, suh))}
-        for rows, kt, warps in ((32, 4, 4), (16, 4, 4), (32, 2, 4), (32, 4, 8), (64, 4, 4)):
-            if (k // 16) % rows:
-                continue
-            variants[f"right_r{rows}_kt{kt}_w{warps}"] = timed(
-                lambda: right_reconstruct(trellis, svh, 4, "mul1", rows, kt, warps))
-        RESULTS.append(dict(kind="reconstruct", k=k, n=n, variants=variants))
-        log(f"{k}x{n}: " + ", ".join(f"{key} {us:.1f}" for key, us in sorted(variants.items(), key=lambda kv: kv[1])))
-
-
-def bench_stages(shapes) -> None:
-    """Software-pipelining depth of the ring dot kernel (num_stages 1 = loads straight to registers, as in
-    the FMA kernel; 2 = the default cp.async double buffer), 16 rows, graph replay."""
-    log("\n== ring dot num_stages (16 rows, graph, µs) ==")
-    for k, n in shapes:
-        for bits in (4, 6, 8):
-            if late():
-                return
-            trellis, suh, svh = make_layer(k, n, bits, "mul1", seed=4)
-            u = input_transform(torch.randn(16, k, device=DEVICE[0]).half(), suh)
-            bnt, kt, warps = ring_dot_config(bits)
-            variants = {f"stages{st}": timed(lambda: ring_dot_partials(u, trellis, bits, "mul1", 16, bnt, kt,
-                                                                       num_warps=warps, num_stages=st), graph=True)
-                        for st in (1, 2, 3)}
-            RESULTS.append(dict(kind="stages", k=k, n=n, bits=bits, variants=variants))
-            log(f"{k}x{n} mul1 K{bits}: " + ", ".join(f"{key} {us:.1f}" for key, us in variants.items()))
 
 
 def bench_prefill(exl3: Exl3, shapes, bits_list, codebooks, rows_list) -> None:
@@ -557,14 +308,14 @@ def main() -> int:
         if due("decode"):
             bench_decode(exl3, shapes, (4,) if args.quick else DECODE_BITS, ("mul1", "3inst"), DECODE_ROWS, copy_gbps)
         if due("reconstruct"):
-            bench_reconstruct(SHAPES_27B)
+            bench_reconstruct(SHAPES_27B, PREFILL_ROWS)
         if due("prefill"):
             bench_prefill(exl3, shapes, (4,), ("mul1",), (PREFILL_ROWS,))
             bench_prefill(exl3, [CROSSOVER_SHAPE[0]], (4,), ("mul1",), CROSSOVER_ROWS)
         if due("moe"):
             bench_moe(exl3)
         if due("breakdown"):
-            bench_breakdown(BREAKDOWN_SHAPES[:1] if args.quick else BREAKDOWN_SHAPES)
+            bench_breakdown(BREAKDOWN_SHAPES[:1] if args.quick else BREAKDOWN_SHAPES, MOE)
         if due("stages"):
             bench_stages(BREAKDOWN_SHAPES[:1])
         if not args.quick and due("other"):

@@ -17,7 +17,7 @@ from exl3local.kernels.triton_decode import decode_dense
 from exl3local.kernels.triton_gemv import ring_dot_config, ring_dot_partials
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from kernels import make_layer, rel  # noqa: E402  (bench/kernels.py, beside this file)
+from kernels_common import make_layer, rel  # noqa: E402  (beside this file)
 
 
 def main() -> None:
