@@ -34,7 +34,8 @@ from exl3local.kernels.triton_fused import finish_block
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
 
 # Programs per compute unit that split-K aims for: 4.5 picks the best measured split on all four 27B decode
-# shapes on the H200 (docs/perf/h200-v3b-sweep.log: 8 splits at 5120x17408, 16 at 5120x5120 and 17408x5120).
+# shapes on the H200 (docs/perf/h200-v3b-sweep.log: 8 splits at 5120x17408, 16 at 5120x5120 and 17408x5120);
+# still the best of half, 2x and 4x after the coalesced loads (h200-s7-splits*.log).
 SPLIT_TARGET_PROGRAMS_PER_CORE = 4.5
 # On XPU (Arc review #8, unverified on Arc): an Xe2 core runs 64 hardware threads (8 vector engines × 8) and a 4-warp
 # program is 4 of them (16-wide sub-groups), so 16 programs fill a core (8 once IGC recompiles with the large
