@@ -79,6 +79,8 @@ def bench_breakdown(shapes, moe: dict, bits_list=(2, 3, 4, 6, 8)) -> None:
     trellis, suh, svh = make_layer(hidden, inter, 4, "mul1", seed=1, experts=e_count)
     for tokens in (1, 4):
         ids = torch.randperm(e_count, device=DEVICE[0])[:tokens * top_k].int()
+        if ids.numel() < tokens * top_k:  # distinct experts per unit: a short id list would be read past its end
+            raise ValueError(f"breakdown's MoE needs experts >= tokens * top_k ({tokens * top_k}), got {e_count}")
         u = torch.randn(tokens * top_k, hidden, device=DEVICE[0]).half()
         variants = {}  # the FMA kernel's MoE branch lost at T = 1 and 4 (h200-v3-bench.log) and was removed
         for bnt, kt, warps in ((4, 1, 4), (8, 1, 4), (8, 2, 4), (4, 2, 4), (16, 1, 4)):
