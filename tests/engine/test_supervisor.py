@@ -190,6 +190,7 @@ async def test_stall_without_output_counts_as_a_failed_start(harness, monkeypatc
     await sup.start(spec)
     await _jump_until(sup, EngineState.STARTING, sup.policy.stall_timeout_s / 2)
     await _until(sup, EngineState.FAILED)
+    await asyncio.wait_for(procs[0].wait(), 5)  # FAILED is said before the group is reaped: wait for the kill
     assert "no output" in sup.last_error and procs[0].returncode == -15
 
 
