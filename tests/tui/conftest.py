@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
@@ -15,6 +14,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
+from pilot_wait import wait_until as wait_until_condition
 from private_user import free_port
 
 DATA = Path(__file__).parent / "data"
@@ -178,15 +178,6 @@ class StepClock:
         return self.now
 
 
-async def _wait_until(pilot, predicate, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await pilot.pause(0.05)
-
-
 async def _play_recorded_load(app, pilot, wait_until) -> None:
     """After the main screen composed: the worker's first round (which ends with the log fetch; polling
     before that would race it), then the other 8 recorded scrapes, 2 s apart on the step clock."""
@@ -219,7 +210,7 @@ def step_clock():
 @pytest.fixture
 def wait_until():
     """`await wait_until(pilot, lambda: ...)`: let the app run until the condition holds (10 s max)."""
-    return _wait_until
+    return wait_until_condition
 
 
 @pytest.fixture
