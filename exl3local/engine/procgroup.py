@@ -17,7 +17,6 @@ from exl3local import paths
 States = Callable[[int, Sequence[int] | None], dict[int, str]]
 
 
-
 # The OS effects the supervisor is given (the functions below are the real ones; tests pass their own).
 class Process(Protocol):
     pid: int
