@@ -42,6 +42,9 @@ CPU_INT8 = EnvVar(
     "EXL3LOCAL_CPU_INT8", "0",
     "CPU kernel: int8 activations for mul1 layers at decode (opt-in, faster, not exact: see docs/PERF.md's CPU section)",
 )
+CPU_TIER = EnvVar(
+    "EXL3LOCAL_CPU_TIER", "", "CPU kernel: force an ISA tier (avx512, avx2vnni, avx2, portable; default: the best this CPU runs)"
+)
 KERNEL_SELFTEST = EnvVar(
     "EXL3LOCAL_KERNEL_SELFTEST", "auto",
     "check each EXL3 kernel against the reference before a layer uses it: auto (all but Triton's CPU interpreter), "
@@ -84,5 +87,5 @@ CORS_ORIGINS = EnvVar(
 ALL: tuple[EnvVar, ...] = (
     HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, HANG_TIMEOUT, API_IDLE_TIMEOUT, API_KEY_FILE, API_KEY,
     ENGINE_PARENT, CORS_ORIGINS, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, CPU_INT8, KERNEL_SELFTEST,
-    TILED_MAX_ROWS, TRITON_INTERPRET,
+    TILED_MAX_ROWS, TRITON_INTERPRET, CPU_TIER,
 )

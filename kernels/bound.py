@@ -347,6 +347,11 @@ class BoundLinear:
                 start += out
         if self.launches:
             self.max_rows = min(launch.max_rows for launch, _, _ in self.launches)
+        # kernels/cpu runs a whole fused layer in one library call (dispatch.CpuLinearKernel.bind_layer; None where
+        # its parts cannot share one).
+        self.whole = None
+        if all(kernel.backend == "cpu" for kernel, *_ in self.parts):
+            self.whole = self.parts[0][0].bind_layer(self.parts, in_features)
 
     def reserve(self, rows: int | None = None) -> None:
         """Size the current stream's workspace for this layer (before graph capture; default: every row count
@@ -355,6 +360,9 @@ class BoundLinear:
             launch.reserve(rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.whole is not None:
+            y = self.whole(x)
+            return y + self.bias if self.bias is not None else y
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         rows = x2d.shape[0]
         if self.launches is None or not 0 < rows <= self.max_rows:

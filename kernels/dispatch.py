@@ -225,7 +225,7 @@ class TritonReconstructKernel(Exl3Kernel):
 
 
 class CpuLinearKernel(Exl3Kernel):
-    """kernels/cpu: the C++ library (AVX-512 or portable tier), bound per layer tensor set on first use."""
+    """kernels/cpu: the C++ library (AVX-512, AVX2 or portable tier), bound per layer tensor set on first use."""
 
     backend = "cpu"
 
@@ -257,6 +257,10 @@ class CpuLinearKernel(Exl3Kernel):
     def apply(self, x, trellis, suh, svh, bias=None):
         if x.shape[-1] != self.spec.size_k:
             raise ValueError(f"x has {x.shape[-1]} input features, the layer expects {self.spec.size_k}")
+        return self._bind(trellis, suh, svh)(x.reshape(-1, self.spec.size_k), x.dtype, bias).reshape(
+            *x.shape[:-1], self.spec.size_n)
+
+    def _bind(self, trellis, suh, svh):
         key = tuple((t.data_ptr(), t.shape) for t in (trellis, suh, svh))
         bound = self.bound.get(key)
         if bound is None:
@@ -265,7 +269,16 @@ class CpuLinearKernel(Exl3Kernel):
             # Holds the trellis (the key's address stays its own) and fp32 copies of suh/svh.
             bound = self.bound[key] = ops.CpuLinear(trellis, suh, svh, self.spec.bits, self.spec.codebook,
                                                     int8=self.int8)
-        return bound(x.reshape(-1, self.spec.size_k), x.dtype, bias).reshape(*x.shape[:-1], self.spec.size_n)
+        return bound
+
+    @staticmethod
+    def bind_layer(parts, in_features: int):
+        """A fused layer's parts [(CpuLinearKernel, trellis, suh, svh, out_features)] as one library call per decode
+        step (ops.CpuFusedLinear), or None where they cannot share one."""
+        from exl3local.kernels.cpu import ops
+
+        return ops.CpuFusedLinear.make([kernel._bind(t, s, v) for kernel, t, s, v, _ in parts],
+                                       [out for *_, out in parts], in_features)
 
 
 # Per device type, best first. On CPU the C++ kernel goes first; without it (no compiler) the reference,

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("exl3_cpu.cpp")
-HEADERS = ("exl3_cpu_core.h", "exl3_cpu_avx512.h", "exl3_cpu_portable.h")  # included by SOURCE, hashed with it
+HEADERS = ("exl3_cpu_core.h", "exl3_cpu_avx512.h", "exl3_cpu_avx2.h", "exl3_cpu_portable.h")  # included by SOURCE, hashed with it
 # -ffp-contract=off: no multiply-add the source does not write (the Veltkamp rounding in the avx512 tier needs it).
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 # Per tier: the flags, and the /proc/cpuinfo flags the machine needs to run it.
@@ -28,8 +28,10 @@ TIERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
          "-mavx512vnni", "-mfma", "-mf16c"),
         ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni", "fma", "f16c"),
     ),
-    # AVX2 laptops (Lunar Lake, most others): the codebook table path, auto-vectorized.
-    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    # AVX2 laptops (Lunar Lake, most others): the same decode on 256-bit vectors; AVX-VNNI (Alder Lake on) sums
+    # mul1's bytes in one instruction.
+    "avx2vnni": (("-DEXL3_AVX2", "-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avx_vnni")),
+    "avx2": (("-DEXL3_AVX2", "-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
     "portable": ((), ()),
 }
 
@@ -56,6 +58,47 @@ def best_tier(flags: frozenset[str] | None = None) -> str:
         if all(f in flags for f in needs):
             return tier
     return "portable"
+
+
+def chosen_tier() -> str:
+    """The tier this process uses: EXL3LOCAL_CPU_TIER if set (a tier this CPU runs), else best_tier()."""
+    from exl3local import env
+
+    forced = env.CPU_TIER.get().strip()
+    if not forced:
+        return best_tier()
+    if forced not in TIERS:
+        raise BuildError(f"{env.CPU_TIER.name}={forced!r} is not one of {', '.join(TIERS)}")
+    missing = [f for f in TIERS[forced][1] if f not in cpu_flags()]
+    if missing:
+        raise BuildError(f"{env.CPU_TIER.name}={forced}: this CPU lacks {', '.join(missing)}")
+    return forced
+
+
+def runnable_tiers() -> list[str]:
+    """The tiers this CPU runs, fastest first."""
+    flags = cpu_flags()
+    return [tier for tier, (_, needs) in TIERS.items() if all(f in flags for f in needs)] or ["portable"]
+
+
+def build_chosen() -> tuple[str, Path]:
+    """(tier, library) of chosen_tier(), built if missing. Where the compiler rejects an automatic choice's flags (a
+    g++ older than 11 has no -mavxvnni), the next tier this CPU runs: a slower kernel, not the reference."""
+    from exl3local import env
+
+    tier = chosen_tier()
+    if env.CPU_TIER.get().strip():
+        return tier, build(tier)
+    tiers = runnable_tiers()
+    errors = []
+    for candidate in tiers[tiers.index(tier):] if tier in tiers else [tier]:
+        try:
+            return candidate, build(candidate)
+        except BuildError as exc:
+            if compiler() is None:
+                raise
+            errors.append(f"{candidate}: {exc}")
+    raise BuildError("; ".join(errors))
 
 
 def compiler() -> str | None:
@@ -118,9 +161,8 @@ def build(tier: str) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    tier = argv[0] if argv else best_tier()
     try:
-        path = build(tier)
+        tier, path = (argv[0], build(argv[0])) if argv else build_chosen()
     except BuildError as exc:
         print(f"exl3 CPU kernel: not built ({exc}); EXL3 layers on the CPU will use the slow reference decoder",
               file=sys.stderr)

@@ -11,36 +11,52 @@
 // 16 -> 2 column reduction happens once per output tile, not once per weight.
 #if defined(EXL3_AVX512)
 #include "exl3_cpu_avx512.h"
+#elif defined(EXL3_AVX2)
+#include "exl3_cpu_avx2.h"
 #else
 #include "exl3_cpu_portable.h"
 #endif
 #include <vector>
 
+// Each tier header gives: Scratch (a worker's buffers for up to N rows), run_chunk (one work item: 128 output
+// columns of one trellis for a few rows) and decode_range (Ŵ's columns into fp32 rows); the loops below are shared.
+namespace {
+
+#if defined(EXL3_AVX512)
+constexpr int TIER = 512;
+#elif defined(EXL3_AVX2)
+constexpr int TIER = 256;
+#else
+constexpr int TIER = 0;
+#endif
+
+void run_units(const Units& w, int tiles_k, int tiles_n, int bits2, int codebook, const float* lut, int threads) {
+    // int8 activations: mul1 on the AVX-512 tier only (ops.int8_active decides; a library call elsewhere is a bug)
+    if (w.qab && (codebook != CB_MUL1 || TIER != 512)) __builtin_trap();
+    const Rate& r = rate_for(bits2);
+    const int k = tiles_k * 16, n = tiles_n * 16, chunks = tiles_n / CHUNK_TILES;
+#pragma omp parallel num_threads(threads)
+    {
+        Scratch s(w.m);
+#pragma omp for schedule(dynamic)  // units of a grouped call differ in rows
+        for (int item = 0; item < w.units * chunks; ++item) {
+            const int unit = item / chunks, c = item % chunks;
+            const int e = w.ids ? w.ids[unit] : unit;
+            if (e < 0) continue;
+            const size_t row = w.first_row(unit);
+            run_chunk(codebook, r, lut, w.trellis + (size_t)e * w.trellis_stride, tiles_k, tiles_n, w.u + row * k,
+                      w.qab ? w.qab + 2 * row : nullptr, w.rows(unit), c, w.svh + (size_t)e * w.svh_stride,
+                      w.y + row * n, n, s);
+        }
+    }
+}
+
+}  // namespace
+
 extern "C" {
 
-// Which tier this library is (checked by the loader against its file name).
-int exl3_cpu_tier() {
-#if defined(EXL3_AVX512)
-    return 512;
-#else
-    return 0;
-#endif
-}
-
-static void run_units(const Units& w, int tiles_k, int tiles_n, int bits2, int codebook, const float* lut, int threads) {
-    // int8 activations: mul1 on the AVX-512 tier only (ops.int8_active decides; a library call elsewhere is a bug)
-    if (w.qab && (codebook != CB_MUL1 || exl3_cpu_tier() == 0)) __builtin_trap();
-    const Rate& r = rate_for(bits2);
-#if defined(EXL3_AVX512)
-    (void)lut;
-    if (codebook == CB_MUL1) gemv_units<CB_MUL1>(w, tiles_k, tiles_n, r, threads);
-    else if (codebook == CB_MCG) gemv_units<CB_MCG>(w, tiles_k, tiles_n, r, threads);
-    else gemv_units<CB_3INST>(w, tiles_k, tiles_n, r, threads);
-#else
-    (void)codebook;
-    gemv_units_portable(w, tiles_k, tiles_n, r, lut, threads);
-#endif
-}
+// Which tier this library is (checked by the loader against its file name): 512, 256 (AVX2) or 0 (portable).
+int exl3_cpu_tier() { return TIER; }
 
 // y (m, n) fp32 = H(H(x ⊙ suh) · Ŵ) ⊙ svh, x (m, k) fp32; u (m, k) fp32 scratch. lut: the codebook as fp32
 // (read by the portable tier only). k, n multiples of 128. int8: activations as int8 (mul1, AVX-512; not exact).
@@ -53,6 +69,43 @@ void exl3_cpu_gemv(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, 
     Units w{trellis, 0, nullptr, nullptr, u, svh, 0, y, 1, m};
     w.qab = int8 ? qab.data() : nullptr;
     run_units(w, tiles_k, tiles_n, bits2, codebook, lut, threads);
+}
+
+// A fused layer (vLLM's q/k/v or gate/up: parts sharing x, each with its own trellis, suh, svh, rate and width) in one
+// parallel region: every part's input transform, then every part's chunks as one pool of work items. y (m, Σ n) holds
+// the parts' columns side by side; u (parts, m, k) fp32 scratch; qab (parts, m, 2) in int8 mode (mul1, AVX-512).
+void exl3_cpu_gemv_parts(int parts, const int16_t* const* trellis, int tiles_k, const int* tiles_n, const int* bits2,
+                         int codebook, const float* lut, const float* x, const float* const* suh,
+                         const float* const* svh, float* u, float* qab, float* y, int m, int threads) {
+    if (qab && (codebook != CB_MUL1 || TIER != 512)) __builtin_trap();
+    const int k = tiles_k * 16, blocks = k / 128;
+    std::vector<int> first(parts + 1, 0), col(parts + 1, 0);  // per part: its first work item, its first y column
+    for (int i = 0; i < parts; ++i) {
+        first[i + 1] = first[i] + tiles_n[i] / CHUNK_TILES;
+        col[i + 1] = col[i] + 16 * tiles_n[i];
+        rate_for(bits2[i]);  // tables built before the workers read them
+    }
+    const size_t width = col[parts];
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int b = 0; b < parts * m * blocks; ++b) {
+            const int i = b / (m * blocks), row = b / blocks % m;
+            transform_block(x + (size_t)row * k, suh[i], u + ((size_t)i * m + row) * k, b % blocks * 128);
+        }
+        if (qab) {
+#pragma omp for schedule(static)
+            for (int r = 0; r < parts * m; ++r) quantize_row(u + (size_t)r * k, k, qab + 2 * r);
+        }
+        Scratch s(m);
+#pragma omp for schedule(dynamic)
+        for (int item = 0; item < first[parts]; ++item) {
+            int i = 0;
+            while (item >= first[i + 1]) ++i;
+            run_chunk(codebook, rate_for(bits2[i]), lut, trellis[i], tiles_k, tiles_n[i], u + (size_t)i * m * k,
+                      qab ? qab + 2 * (size_t)i * m : nullptr, m, item - first[i], svh[i], y + col[i], width, s);
+        }
+    }
 }
 
 // MoE units: unit i is one row x[i / x_div] through expert ids[i] (< 0: skipped, y row left as is) of stacked
@@ -88,23 +141,7 @@ void exl3_cpu_moe_grouped(const int16_t* trellis, int tiles_k, int tiles_n, int 
 // Ŵ[:, 16*tn0 : 16*tn1] as fp32 into out (k, 16*(tn1-tn0)), row-major.
 void exl3_cpu_decode(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const float* lut,
                      int tn0, int tn1, float* out, int threads) {
-    const Rate& r = rate_for(bits2);
-#if defined(EXL3_AVX512)
-    (void)lut;
-    if (codebook == CB_MUL1) decode_impl<CB_MUL1>(trellis, tiles_k, tiles_n, r, tn0, tn1, out, threads);
-    else if (codebook == CB_MCG) decode_impl<CB_MCG>(trellis, tiles_k, tiles_n, r, tn0, tn1, out, threads);
-    else decode_impl<CB_3INST>(trellis, tiles_k, tiles_n, r, tn0, tn1, out, threads);
-#else
-    (void)codebook;
-    const int words16 = 2 * r.words32, width = (tn1 - tn0) * 16;
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-    for (int tk = 0; tk < tiles_k; ++tk)
-        for (int tn = tn0; tn < tn1; ++tn) {
-            const uint32_t* U = (const uint32_t*)(trellis + ((size_t)tk * tiles_n + tn) * words16);
-            for (int p = 0; p < POSITIONS; ++p)
-                out[(size_t)(16 * tk + row_of(p)) * width + (tn - tn0) * 16 + col_of(p)] = lut[state_of(U, r, p)];
-        }
-#endif
+    decode_range(codebook, rate_for(bits2), lut, trellis, tiles_k, tiles_n, tn0, tn1, out, threads);
 }
 
 // y (m, n) = H(z) ⊙ svh per 128-block of each row (the GEMM path's output transform), in place allowed.

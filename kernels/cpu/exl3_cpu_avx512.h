@@ -226,31 +226,36 @@ void gemv_chunk_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate&
     }
 }
 
-template <int CB>
-void gemv_units(const Units& w, int tiles_k, int tiles_n, const Rate& r, int threads) {
-    const Groups& g = groups_for(r);
-    const int k = tiles_k * 16, n = tiles_n * 16, chunks = tiles_n / CHUNK_TILES;
-#pragma omp parallel num_threads(threads)
-    {
-        float* acc = (float*)_mm_malloc(sizeof(float) * w.m * CHUNK_TILES * POSITIONS, 64);
-        __m512* ue = (__m512*)_mm_malloc(sizeof(__m512) * w.m * 16, 64);
-#pragma omp for schedule(dynamic)  // units of a grouped call differ in rows
-        for (int item = 0; item < w.units * chunks; ++item) {
-            const int unit = item / chunks, c = item % chunks;
-            const int e = w.ids ? w.ids[unit] : unit;
-            if (e < 0) continue;
-            const size_t row = w.first_row(unit);
-            if (CB == CB_MUL1 && w.qab)  // acc and ue hold as many int32 lanes as fp32 ones
-                gemv_chunk_q8(w.trellis + (size_t)e * w.trellis_stride, tiles_k, tiles_n, r, g,
-                              (const int32_t*)(w.u + row * k), w.qab + 2 * row, w.rows(unit), c, (int32_t*)acc,
-                              (__m512i*)ue, w.svh + (size_t)e * w.svh_stride, w.y + row * n, n);
-            else
-                gemv_chunk<CB>(w.trellis + (size_t)e * w.trellis_stride, tiles_k, tiles_n, r, g, w.u + row * k,
-                               w.rows(unit), c, acc, ue, w.svh + (size_t)e * w.svh_stride, w.y + row * n, n);
-        }
+// A worker's buffers for work items of up to `rows` rows: acc (rows * CHUNK_TILES * POSITIONS floats, or int32 in
+// int8 mode) and the permuted inputs ue (rows * 16 vectors).
+struct Scratch {
+    float* acc;
+    __m512* ue;
+    explicit Scratch(int rows)
+        : acc((float*)_mm_malloc(sizeof(float) * rows * CHUNK_TILES * POSITIONS, 64)),
+          ue((__m512*)_mm_malloc(sizeof(__m512) * rows * 16, 64)) {}
+    ~Scratch() {
         _mm_free(ue);
         _mm_free(acc);
     }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+};
+
+// One work item: chunk c (128 output columns) of one trellis for m rows of u (qab: u holds int8 rows, mul1 only).
+inline void run_chunk(int codebook, const Rate& r, const float*, const int16_t* trellis, int tiles_k, int tiles_n,
+                      const float* u, const float* qab, int m, int c, const float* svh, float* y, size_t y_stride,
+                      Scratch& s) {
+    const Groups& g = groups_for(r);
+    if (qab)  // acc and ue hold as many int32 lanes as fp32 ones
+        gemv_chunk_q8(trellis, tiles_k, tiles_n, r, g, (const int32_t*)u, qab, m, c, (int32_t*)s.acc, (__m512i*)s.ue,
+                      svh, y, y_stride);
+    else if (codebook == CB_MUL1)
+        gemv_chunk<CB_MUL1>(trellis, tiles_k, tiles_n, r, g, u, m, c, s.acc, s.ue, svh, y, y_stride);
+    else if (codebook == CB_MCG)
+        gemv_chunk<CB_MCG>(trellis, tiles_k, tiles_n, r, g, u, m, c, s.acc, s.ue, svh, y, y_stride);
+    else
+        gemv_chunk<CB_3INST>(trellis, tiles_k, tiles_n, r, g, u, m, c, s.acc, s.ue, svh, y, y_stride);
 }
 
 template <int CB>
@@ -271,6 +276,14 @@ void decode_impl(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r
                 _mm512_storeu_ps(o + (size_t)rr * width,
                                  _mm512_i32gather_ps(_mm512_load_si512(rowpos[rr]), tile, 4));
         }
+}
+
+// Ŵ[:, 16*tn0 : 16*tn1] as fp32 rows of width 16*(tn1-tn0).
+inline void decode_range(int codebook, const Rate& r, const float*, const int16_t* trellis, int tiles_k, int tiles_n,
+                         int tn0, int tn1, float* out, int threads) {
+    if (codebook == CB_MUL1) decode_impl<CB_MUL1>(trellis, tiles_k, tiles_n, r, tn0, tn1, out, threads);
+    else if (codebook == CB_MCG) decode_impl<CB_MCG>(trellis, tiles_k, tiles_n, r, tn0, tn1, out, threads);
+    else decode_impl<CB_3INST>(trellis, tiles_k, tiles_n, r, tn0, tn1, out, threads);
 }
 
 }  // namespace

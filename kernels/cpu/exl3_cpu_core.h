@@ -98,15 +98,18 @@ void fwht128(float* v) {
 }
 #endif
 
+// u[col:col+128] = H(x[col:col+128] ⊙ suh[col:col+128]): one 128-block of one row.
+inline void transform_block(const float* x, const float* suh, float* u, int col) {
+    for (int i = 0; i < 128; ++i) u[col + i] = x[col + i] * suh[col + i];
+    fwht128(u + col);
+}
+
 // u = H(x ⊙ suh) per 128-block, rows in parallel.
 void input_transform(const float* x, const float* suh, float* u, int m, int k, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k >= 16384)
     for (int b = 0; b < m * (k / 128); ++b) {
         const int row = b / (k / 128), col = (b % (k / 128)) * 128;
-        const float* xs = x + (size_t)row * k + col;
-        float* us = u + (size_t)row * k + col;
-        for (int i = 0; i < 128; ++i) us[i] = xs[i] * suh[col + i];
-        fwht128(us);
+        transform_block(x + (size_t)row * k, suh, u + (size_t)row * k, col);
     }
 }
 
@@ -151,23 +154,24 @@ constexpr float MUL1_OFFSET = -442.0f / 128.0f;
 // The int8 mode's activations: each row of u (fp32, k wide) becomes int8 with one scale per row (absmax / 127),
 // each value repeated in the 4 bytes of its int32 slot (vpdpbusd multiplies all 4 bytes of a lane's state hash by
 // it), written over u. Row r's integer sums z then give y = qab[2r] * z + 16 * qab[2r+1] per column (16 positions).
+inline void quantize_row(float* ur, int k, float* qab) {
+    float amax = 0.0f;
+    for (int i = 0; i < k; ++i) amax = ur[i] > amax ? ur[i] : (-ur[i] > amax ? -ur[i] : amax);
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t* q4 = (int32_t*)ur;
+    long sum = 0;
+    for (int i = 0; i < k; ++i) {
+        const int q = (int)__builtin_nearbyintf(ur[i] * inv);
+        sum += q;
+        q4[i] = (int32_t)((uint32_t)(uint8_t)(int8_t)q * 0x01010101u);
+    }
+    qab[0] = scale * MUL1_SCALE;
+    qab[1] = scale * MUL1_OFFSET * (float)sum / 16.0f;
+}
+
 void quantize_rows(float* u, int rows, int k, float* qab, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= 16384)
-    for (int r = 0; r < rows; ++r) {
-        float* ur = u + (size_t)r * k;
-        float amax = 0.0f;
-        for (int i = 0; i < k; ++i) amax = ur[i] > amax ? ur[i] : (-ur[i] > amax ? -ur[i] : amax);
-        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t* q4 = (int32_t*)ur;
-        long sum = 0;
-        for (int i = 0; i < k; ++i) {
-            const int q = (int)__builtin_nearbyintf(ur[i] * inv);
-            sum += q;
-            q4[i] = (int32_t)((uint32_t)(uint8_t)(int8_t)q * 0x01010101u);
-        }
-        qab[2 * r] = scale * MUL1_SCALE;
-        qab[2 * r + 1] = scale * MUL1_OFFSET * (float)sum / 16.0f;
-    }
+    for (int r = 0; r < rows; ++r) quantize_row(u + (size_t)r * k, k, qab + 2 * r);
 }
 
 }  // namespace

@@ -3,6 +3,9 @@
     lin = CpuLinear(trellis, suh, svh, bits, codebook)   # once per layer part
     y = lin(x2d)                                          # (m, k) -> (m, n) fp32; path_for(m) says which path
 
+    layer = CpuFusedLinear([lin_q, lin_k, lin_v], [n_q, n_k, n_v], in_features)   # a fused vLLM layer
+    y = layer(x)                                          # (..., in_features) -> (..., Σ n), one library call
+
 GEMV (m <= GEMV_MAX_ROWS): one pass over the trellis, Ŵ decoded in registers, both Hadamard transforms in
 the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations, not exact (int8_active). GEMM (more rows): Ŵ decoded once per strip of columns into fp32, multiplied by torch's BLAS.
 Both use torch's intra-op thread count (the engine's threads) and, since the library links the same
@@ -49,6 +52,7 @@ _I = ctypes.c_int
 _SIGNATURES = {
     "exl3_cpu_tier": ((), _I),
     "exl3_cpu_gemv": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I), None),
+    "exl3_cpu_gemv_parts": ((_I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I), None),
     "exl3_cpu_moe": ((_P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I), None),
     "exl3_cpu_moe_grouped": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _P, _I), None),
     "exl3_cpu_decode": ((_P, _I, _I, _I, _I, _P, _I, _I, _P, _I), None),
@@ -58,13 +62,12 @@ _SIGNATURES = {
 
 
 def library(tier: str | None = None) -> ctypes.CDLL:
-    """The loaded library of `tier` (default: the best this CPU runs), built first if missing.
+    """The loaded library of `tier` (default: build.build_chosen's), built first if missing.
     Raises build.BuildError saying why it cannot be had."""
-    tier = tier or build.best_tier()
     with _lock:
         lib = _loaded.get(tier)
         if lib is None:
-            path = build.build(tier)
+            path = build.build(tier) if tier else build.build_chosen()[1]
             try:
                 lib = ctypes.CDLL(str(path))
             except OSError as exc:
@@ -93,7 +96,7 @@ def int8_active(codebook: str, lib: ctypes.CDLL | None = None, requested: bool |
     an opt-in; the GEMM path (prefill) stays exact."""
     if requested is None:
         requested = env.CPU_INT8.get_bool()
-    return bool(requested) and codebook == "mul1" and (lib or library()).exl3_cpu_tier() != 0
+    return bool(requested) and codebook == "mul1" and (lib or library()).exl3_cpu_tier() == 512
 
 
 def _bits2(bits: float) -> int:
@@ -226,3 +229,62 @@ class CpuExpertProjection:
                                       ids.numel(), GEMV_MAX_ROWS, self.suh.data_ptr(), self.svh.data_ptr(),
                                       u.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
+
+
+class CpuFusedLinear:
+    """A fused vLLM layer's parts (q/k/v, gate/up: one input, each part its own trellis, suh, svh and bits) bound
+    as one: up to GEMV_MAX_ROWS rows run as one library call (one parallel region for the input transforms and
+    every part's chunks: per token that is 4 regions per Llama layer instead of 7, and one Python call per layer);
+    more rows go part by part through the GEMM path. Parts must share the codebook and the int8 choice (make())."""
+
+    def __init__(self, parts: list[CpuLinear], out_features: list[int], in_features: int) -> None:
+        self.parts = parts
+        first = parts[0]
+        self.lib, self.size_k, self.tiles_k = first.lib, first.size_k, first.tiles_k
+        self.codebook, self.lut_ptr, self.int8 = first.codebook, first.lut_ptr, first.int8
+        self.in_features = in_features
+        self.out_features = out_features
+        self.width = sum(p.size_n for p in parts)
+        self.count = len(parts)
+        array = lambda kind, values: (kind * len(values))(*values)  # noqa: E731  (ctypes arrays, kept alive here)
+        self.trellis_ptrs = array(ctypes.c_void_p, [p.trellis.data_ptr() for p in parts])
+        self.suh_ptrs = array(ctypes.c_void_p, [p.suh.data_ptr() for p in parts])
+        self.svh_ptrs = array(ctypes.c_void_p, [p.svh.data_ptr() for p in parts])
+        self.tiles_n = array(ctypes.c_int, [p.tiles_n for p in parts])
+        self.bits2 = array(ctypes.c_int, [p.bits2 for p in parts])
+        # Columns kept when a part is padded past its out_features (None: all of them, in order).
+        keep = [torch.arange(sum(p.size_n for p in parts[:i]), sum(p.size_n for p in parts[:i]) + out)
+                for i, (p, out) in enumerate(zip(parts, out_features))]
+        self.keep = None if self.width == sum(out_features) else torch.cat(keep)
+
+    @staticmethod
+    def make(parts: list[CpuLinear], out_features: list[int], in_features: int) -> "CpuFusedLinear | None":
+        """The fused layer, or None where its parts cannot share one call (another codebook, tier or int8 choice)."""
+        first = parts[0]
+        same = all((p.lib, p.codebook, p.int8, p.size_k) == (first.lib, first.codebook, first.int8, first.size_k)
+                   for p in parts)
+        return CpuFusedLinear(parts, out_features, in_features) if same else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1])
+        m = x2d.shape[0]
+        pad = self.size_k - x2d.shape[-1]
+        if not 0 < m <= GEMV_MAX_ROWS:
+            xp = torch.nn.functional.pad(x2d, (0, pad)) if pad else x2d
+            y = torch.cat([p(xp, x.dtype)[:, :out] for p, out in zip(self.parts, self.out_features)], dim=-1)
+            return y.view(*lead, y.shape[-1])
+        xf = x2d.float()
+        xf = torch.nn.functional.pad(xf, (0, pad)) if pad else xf.contiguous()
+        u = torch.empty(self.count * m * self.size_k, dtype=torch.float32)
+        qab = torch.empty(self.count * m * 2, dtype=torch.float32) if self.int8 else None
+        y = torch.empty(m, self.width, dtype=torch.float32)
+        self.lib.exl3_cpu_gemv_parts(self.count, self.trellis_ptrs, self.tiles_k, self.tiles_n, self.bits2,
+                                     self.codebook, self.lut_ptr, xf.data_ptr(), self.suh_ptrs, self.svh_ptrs,
+                                     u.data_ptr(), qab.data_ptr() if qab is not None else None, y.data_ptr(), m,
+                                     torch.get_num_threads())
+        if self.keep is not None:
+            y = y[:, self.keep]
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y.view(*lead, y.shape[-1])
+

@@ -13,8 +13,8 @@ from exl3local.kernels.dispatch import CpuLinearKernel, DeviceInfo, TorchReferen
 
 RATES = [(cb, bits) for cb in ("3inst", "mcg", "mul1") for bits in (1, 2, 3, 4, 5, 6, 7, 8)]
 RATES += [("mul1", bits) for bits in (1.5, 2.5, 3.5)]
-# The best tier here and the portable one (the avx2 tier is the portable source with other compiler flags).
-TIERS = sorted({build.best_tier(), "portable"})
+# Every tier this CPU runs (on an AVX-512 machine: all four, the AVX2 laptop tiers included).
+TIERS = build.runnable_tiers()
 
 
 def _layer(size_k, size_n, bits, codebook, seed=0):
@@ -99,10 +99,34 @@ def test_dispatch_falls_back_to_the_reference_when_the_library_is_missing(monkey
     assert CpuLinearKernel.refuse(spec, DeviceInfo("cpu")) == "no C++ compiler found"
 
 
-def test_tier_choice_follows_cpu_flags():
+def test_tier_choice_follows_cpu_flags_and_the_override(monkeypatch):
     assert build.best_tier(frozenset(build.TIERS["avx512"][1])) == "avx512"
+    assert build.best_tier(frozenset({"avx2", "fma", "f16c", "avx_vnni", "avx512f"})) == "avx2vnni"
     assert build.best_tier(frozenset({"avx2", "fma", "f16c", "avx512f"})) == "avx2"
     assert build.best_tier(frozenset()) == "portable"
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setenv("EXL3LOCAL_CPU_TIER", "portable")
+    assert build.chosen_tier() == "portable"
+    monkeypatch.setenv("EXL3LOCAL_CPU_TIER", "avx512")  # one this CPU cannot run: a reason, the reference serves
+    with pytest.raises(build.BuildError, match="lacks avx512f"):
+        build.chosen_tier()
+    monkeypatch.delenv("EXL3LOCAL_CPU_TIER")
+    assert build.chosen_tier() == "avx2"
+
+
+def test_a_tier_the_compiler_rejects_falls_back_to_the_next(monkeypatch):
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx_vnni"}))
+    monkeypatch.delenv("EXL3LOCAL_CPU_TIER", raising=False)
+    tried = []
+
+    def fake_build(tier):
+        tried.append(tier)
+        if tier == "avx2vnni":
+            raise build.BuildError("g++: error: unrecognized command-line option '-mavxvnni'")
+        return f"lib-{tier}.so"
+
+    monkeypatch.setattr(build, "build", fake_build)
+    assert build.build_chosen() == ("avx2", "lib-avx2.so") and tried == ["avx2vnni", "avx2"]
 
 
 class _Proj:
@@ -179,3 +203,39 @@ def test_mul1_fp16_rounding_by_veltkamp_split_is_exact_for_every_byte_sum():
     c = f * np.float32(8193.0)
     assert np.array_equal(c - (c - f), f.astype(np.float16).astype(np.float32))
     assert "-ffp-contract=off" in build.COMMON_FLAGS
+
+
+@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1])
+def test_fused_layer_is_one_call_equal_to_its_parts(rows, monkeypatch):
+    """A fused layer (parts of other bits and widths, the last one padded past its out_features, x narrower than the
+    padded k) through BoundLinear: up to GEMV_MAX_ROWS rows one library call, equal to the parts run one by one."""
+    from exl3local.kernels.bound import BoundLinear
+
+    shapes = [(4, 256, 256), (3, 128, 128), (2.5, 384, 300)]  # bits, padded n, out_features
+    parts = []
+    for i, (bits, n, out) in enumerate(shapes):
+        kernel = prepare(KernelSpec(256, n, bits, "mul1", torch.bfloat16), "cpu")
+        parts.append((kernel, *_layer(256, n, bits, "mul1", seed=10 + i), out))
+    layer = BoundLinear(parts, 250)
+    assert isinstance(layer.whole, ops.CpuFusedLinear)
+    x = torch.randn(rows, 250, generator=torch.Generator().manual_seed(4)).bfloat16()
+    calls = []
+    monkeypatch.setattr(ops.CpuFusedLinear, "lib", property(lambda s: _Spy(s.parts[0].lib, calls)), raising=False)
+    got = layer(x)
+    want = BoundLinear.unfused(layer, x)
+    assert got.shape == (rows, 256 + 128 + 300) and got.dtype == torch.bfloat16
+    assert calls == (["exl3_cpu_gemv_parts"] if rows <= ops.GEMV_MAX_ROWS else [])
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    if rows <= ops.GEMV_MAX_ROWS:  # the same fp32 sums, cast once: equal, not only close
+        assert torch.equal(got, want)
+
+
+class _Spy:
+    """A library whose calls are recorded by name."""
+
+    def __init__(self, lib, calls):
+        self.lib, self.calls = lib, calls
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.lib, name)
