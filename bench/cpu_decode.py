@@ -2,7 +2,7 @@
 
     python -P bench/cpu_decode.py [--layers 4] [--hidden 2048] [--intermediate 5632] [--bits 4] [--out DIR]
     python -P bench/cpu_decode.py --model DIR     # an EXL3 checkpoint: kernels/cpu vs the reference decoder
-    python -P bench/cpu_decode.py --linears-only | --step-only [--threads N]    # no engine: per linear / one step
+    python -P bench/cpu_linears.py [--step] [--threads N]   # no engine: per linear / one step (that file's doc)
 
 The EXL3 checkpoint (mul1, every linear of every layer a random trellis, lm_head left bf16 in both) and its bf16
 twin (the same weights decoded) are written with tests/support/exl3_writer.py's group helpers. Each
@@ -10,9 +10,7 @@ model then runs in its own process with vLLM's engine in-process (VLLM_ENABLE_V1
 resident-memory growth of that process over LLM() is the engine's weights + KV + workspaces. Per model:
 decode tok/s (a 128-token greedy run minus a 1-token run, same 16-token prompt, best of 3; also as CPU seconds per
 token, all threads, which a loaded machine inflates less), prefill tok/s
-(a 512-token prompt, one output token), RSS growth. Then per linear shape (kernels/cpu vs torch bf16, one
-row, weights cycled through copies larger than the L3 cache): ns per weight and GB/s of weight bytes read, next
-to this machine's read bandwidth (a 1 GiB sum), as wall time and as CPU time of all threads. Run it under the heavy-test lock: one engine at a time here.
+(a 512-token prompt, one output token), RSS growth. Then (unless --skip-linears) bench/cpu_linears.py's per-linear part. Run it under the heavy-test lock: one engine at a time here.
 """
 
 from __future__ import annotations
@@ -202,106 +200,6 @@ def child(model: str, out: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
-def linear_speeds(cfg: dict, bits: int) -> list[dict]:
-    """Per linear shape: kernels/cpu (one row) vs torch bf16 (one row), ns per weight and GB/s of weights read."""
-    import torch
-
-    from exl3local.kernels.cpu import ops
-
-    def best(fn, copies: int, reps: int = 40) -> tuple[float, float]:
-        """(median wall seconds, mean CPU seconds of all threads) per call: on a shared machine the CPU time
-        is the steadier of the two (memory stalls count in it; waiting for a core does not)."""
-        for i in range(copies):
-            fn(i)
-        times = []
-        cpu0 = time.process_time()
-        for r in range(reps):
-            t0 = time.perf_counter()
-            fn(r % copies)
-            times.append(time.perf_counter() - t0)
-        cpu = (time.process_time() - cpu0) / reps
-        times.sort()
-        return times[len(times) // 2], cpu
-
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    rows = []
-    for k, n in ((hidden, hidden), (hidden, 2 * inter), (inter, hidden)):
-        copies = max(2, (256 << 20) // (k * n * 2))  # bf16 copies over 256 MiB: past the 105 MiB L3
-        g = torch.Generator().manual_seed(0)
-        lins = [ops.CpuLinear(torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), dtype=torch.int16,
-                                            generator=g), torch.randn(k).half(), torch.randn(n).half(), bits, "mul1")
-                for _ in range(copies)]
-        x = torch.randn(1, k)
-        exl3, exl3_cpu = best(lambda i: lins[i](x), copies)
-        for lin in lins:  # the same trellises through the opt-in int8 path (mul1 on AVX-512; else exact again)
-            lin.int8 = ops.int8_active("mul1", lin.lib, True)
-        int8, int8_cpu = best(lambda i: lins[i](x), copies)
-        dense = [torch.randn(n, k, generator=g).bfloat16() for _ in range(copies)]
-        xb = x.bfloat16()
-        bf16, bf16_cpu = best(lambda i: torch.nn.functional.linear(xb, dense[i]), copies)
-        rows.append({"k": k, "n": n, "threads": torch.get_num_threads(), "exl3_us": exl3 * 1e6, "bf16_us": bf16 * 1e6,
-                     "exl3_ns_per_weight": exl3 * 1e9 / (k * n), "bf16_ns_per_weight": bf16 * 1e9 / (k * n),
-                     "exl3_cpu_ns_per_weight": exl3_cpu * 1e9 / (k * n), "bf16_cpu_ns_per_weight": bf16_cpu * 1e9 / (k * n),
-                     "int8_ns_per_weight": int8 * 1e9 / (k * n), "int8_cpu_ns_per_weight": int8_cpu * 1e9 / (k * n),
-                     "exl3_gb_s": k * n * bits / 8 / exl3 / 1e9, "bf16_gb_s": k * n * 2 / bf16 / 1e9})
-        del lins, dense
-    return rows
-
-
-def linear_step(args, cfg: dict) -> None:
-    """Every layer's linears for one decoded token, without vLLM: EXL3 through the plugin's BoundLinear (the
-    parts vLLM fuses: qkv, o, gate_up, down) against bf16 F.linear on weights of the same shapes."""
-    import torch
-
-    from exl3local.kernels import KernelSpec, prepare
-    from exl3local.kernels.bound import BoundLinear
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    hidden, inter, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    shapes = ((hidden, (q, kv, kv)), (q, (hidden,)), (hidden, (inter, inter)), (inter, (hidden,)))
-    g = torch.Generator().manual_seed(0)
-
-    def part(k: int, n: int):
-        kernel = prepare(KernelSpec(k, n, args.bits, "mul1", torch.bfloat16), "cpu")
-        trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * args.bits), dtype=torch.int16, generator=g)
-        return kernel, trellis, (torch.randn(k, generator=g) * k**-0.5).half(), torch.randn(n, generator=g).half(), n
-
-    layers = [[BoundLinear([part(k, n) for n in ns], k) for k, ns in shapes] for _ in range(cfg["num_hidden_layers"])]
-    dense = [[torch.randn(sum(ns), k, generator=g).bfloat16() for k, ns in shapes] for _ in layers]
-    xs = {k: torch.randn(1, k, generator=g).bfloat16() for k, _ in shapes}
-
-    def exl3() -> None:
-        for layer in layers:
-            for bound in layer:
-                bound(xs[bound.in_features])
-
-    def bf16() -> None:
-        for layer in dense:
-            for w in layer:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
-
-    for name, fn in (("exl3", exl3), ("bf16", bf16), ("exl3", exl3), ("bf16", bf16)):
-        fn()
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(5):
-            fn()
-        print(f"{name} ({torch.get_num_threads()} threads): one step's linears {(time.perf_counter() - t0) / 5e-3:.1f} ms "
-              f"wall, {(time.process_time() - cpu0) / 5e-3:.1f} ms CPU")
-
-
-def read_bandwidth() -> float:
-    import torch
-
-    a = torch.ones(256 << 20)  # 1 GiB fp32
-    a.sum()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        a.sum()
-    return 3 * a.numel() * 4 / (time.perf_counter() - t0) / 1e9
-
-
 def compare_kernels(model: Path) -> None:
     """One EXL3 checkpoint (e.g. a tiny test fixture) served through kernels/cpu, then through the reference
     decoder (EXL3LOCAL_DISABLED_KERNELS=CpuLinearKernel): the speed-up every end-to-end test sees."""
@@ -332,9 +230,6 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--out", type=Path, help="keep the checkpoints and results here (default: a temp dir)")
     parser.add_argument("--skip-linears", action="store_true")
-    parser.add_argument("--linears-only", action="store_true", help="only the per-linear part (no engine)")
-    parser.add_argument("--step-only", action="store_true",
-                        help="only one decode step's linears (every layer, through BoundLinear vs F.linear; no engine)")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both engines (vLLM then keeps torch at that "
                         "count; by default it serves with one thread)")
     parser.add_argument("--rounds", type=int, default=1, help="alternate bf16 and EXL3 this many times; each "
@@ -351,12 +246,6 @@ def main() -> None:
         compare_kernels(args.model)
         return
     cfg = llama_config(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
-    if args.linears_only:
-        linears(args, cfg, {})
-        return
-    if args.step_only:
-        linear_step(args, cfg)
-        return
     with tempfile.TemporaryDirectory(prefix="cpu-decode-") as tmp:
         root = args.out or Path(tmp)
         t0 = time.perf_counter()
@@ -406,27 +295,11 @@ def main() -> None:
               "{prefill:.2f}x, RSS growth {rss_growth:.2f}x (anonymous {anon_growth:.2f}x; the tensors alone: weights "
               "+ KV + workspace {tensors:.2f}x)".format(**results[f"ratios_{name}"]))
     if not args.skip_linears:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench (python -P adds no path)
+        from cpu_linears import linears
+
         linears(args, cfg, results)
     print(json.dumps(results))
-
-
-def linears(args, cfg: dict, results: dict) -> None:
-    """The per-linear part, into `results`."""
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    results["read_gb_s"] = read_bandwidth()
-    print(f"memory read bandwidth (1 GiB sum): {results['read_gb_s']:.1f} GB/s")
-    results["linears"] = linear_speeds(cfg, args.bits)
-    for r in results["linears"]:
-        print(f"linear {r['k']}x{r['n']} ({r['threads']} threads): EXL3 {r['exl3_us']:.0f} us ({r['exl3_ns_per_weight']:.3f} "
-              f"ns/w, {r['exl3_gb_s']:.2f} GB/s trellis, CPU {r['exl3_cpu_ns_per_weight']:.3f} ns/w) vs bf16 "
-              f"{r['bf16_us']:.0f} us ({r['bf16_ns_per_weight']:.3f} ns/w, {r['bf16_gb_s']:.2f} GB/s, CPU "
-              f"{r['bf16_cpu_ns_per_weight']:.3f} ns/w); EXL3 int8 opt-in {r['int8_ns_per_weight']:.3f} ns/w, CPU "
-              f"{r['int8_cpu_ns_per_weight']:.3f} ns/w")
-    if args.linears_only:
-        print(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,175 @@
+"""EXL3 linears on the CPU without an engine, against torch bf16 on weights of the same shapes (split from
+bench/cpu_decode.py, which runs the engines and calls `linears` for its per-linear part).
+
+    python -P bench/cpu_linears.py [--step] [--threads N] [--tier avx2vnni] [--per-part] [--layers 4] ...
+
+Default: per linear shape (one row, weights cycled through copies larger than the L3 cache) ns per weight and GB/s
+of weight bytes read, as wall time and as CPU time of all threads, next to this machine's read bandwidth (a 1 GiB
+sum). --step: one decoded token's linears for every layer (through the plugin's BoundLinear: one library call per
+fused layer, or with --per-part one per part) vs F.linear. --tier forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g.
+the AVX2 laptop tiers on an AVX-512 machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def linear_speeds(cfg: dict, bits: int) -> list[dict]:
+    """Per linear shape: kernels/cpu (one row) vs torch bf16 (one row), ns per weight and GB/s of weights read."""
+    import torch
+
+    from exl3local.kernels.cpu import ops
+
+    def best(fn, copies: int, reps: int = 40) -> tuple[float, float]:
+        """(median wall seconds, mean CPU seconds of all threads) per call: on a shared machine the CPU time
+        is the steadier of the two (memory stalls count in it; waiting for a core does not)."""
+        for i in range(copies):
+            fn(i)
+        times = []
+        cpu0 = time.process_time()
+        for r in range(reps):
+            t0 = time.perf_counter()
+            fn(r % copies)
+            times.append(time.perf_counter() - t0)
+        cpu = (time.process_time() - cpu0) / reps
+        times.sort()
+        return times[len(times) // 2], cpu
+
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    rows = []
+    for k, n in ((hidden, hidden), (hidden, 2 * inter), (inter, hidden)):
+        copies = max(2, (256 << 20) // (k * n * 2))  # bf16 copies over 256 MiB: past the 105 MiB L3
+        g = torch.Generator().manual_seed(0)
+        lins = [ops.CpuLinear(torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), dtype=torch.int16,
+                                            generator=g), torch.randn(k).half(), torch.randn(n).half(), bits, "mul1")
+                for _ in range(copies)]
+        x = torch.randn(1, k)
+        exl3, exl3_cpu = best(lambda i: lins[i](x), copies)
+        for lin in lins:  # the same trellises through the opt-in int8 path (mul1 on AVX-512; else exact again)
+            lin.int8 = ops.int8_active("mul1", lin.lib, True)
+        int8, int8_cpu = best(lambda i: lins[i](x), copies)
+        dense = [torch.randn(n, k, generator=g).bfloat16() for _ in range(copies)]
+        xb = x.bfloat16()
+        bf16, bf16_cpu = best(lambda i: torch.nn.functional.linear(xb, dense[i]), copies)
+        rows.append({"k": k, "n": n, "threads": torch.get_num_threads(), "exl3_us": exl3 * 1e6, "bf16_us": bf16 * 1e6,
+                     "exl3_ns_per_weight": exl3 * 1e9 / (k * n), "bf16_ns_per_weight": bf16 * 1e9 / (k * n),
+                     "exl3_cpu_ns_per_weight": exl3_cpu * 1e9 / (k * n), "bf16_cpu_ns_per_weight": bf16_cpu * 1e9 / (k * n),
+                     "int8_ns_per_weight": int8 * 1e9 / (k * n), "int8_cpu_ns_per_weight": int8_cpu * 1e9 / (k * n),
+                     "exl3_gb_s": k * n * bits / 8 / exl3 / 1e9, "bf16_gb_s": k * n * 2 / bf16 / 1e9})
+        del lins, dense
+    return rows
+
+
+def linear_step(args, cfg: dict) -> None:
+    """Every layer's linears for one decoded token, without vLLM: EXL3 through the plugin's BoundLinear (the
+    parts vLLM fuses: qkv, o, gate_up, down) against bf16 F.linear on weights of the same shapes."""
+    import torch
+
+    from exl3local.kernels import KernelSpec, prepare
+    from exl3local.kernels.bound import BoundLinear
+    from exl3local.kernels.cpu import build, ops
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hidden, inter, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = ((hidden, (q, kv, kv)), (q, (hidden,)), (hidden, (inter, inter)), (inter, (hidden,)))
+    g = torch.Generator().manual_seed(0)
+
+    def part(k: int, n: int):
+        kernel = prepare(KernelSpec(k, n, args.bits, "mul1", torch.bfloat16), "cpu")
+        trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * args.bits), dtype=torch.int16, generator=g)
+        return kernel, trellis, (torch.randn(k, generator=g) * k**-0.5).half(), torch.randn(n, generator=g).half(), n
+
+    layers = [[BoundLinear([part(k, n) for n in ns], k) for k, ns in shapes] for _ in range(cfg["num_hidden_layers"])]
+    if args.per_part:  # each part its own library call (before session 8's fused-layer call)
+        for layer in layers:
+            for bound in layer:
+                bound.whole = None
+    dense = [[torch.randn(sum(ns), k, generator=g).bfloat16() for k, ns in shapes] for _ in layers]
+    xs = {k: torch.randn(1, k, generator=g).bfloat16() for k, _ in shapes}
+
+    def exl3() -> None:
+        for layer in layers:
+            for bound in layer:
+                bound(xs[bound.in_features])
+
+    def bf16() -> None:
+        for layer in dense:
+            for w in layer:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    tier = f", {build.chosen_tier()} tier{', per part' if args.per_part else ''}"
+    for name, fn in (("exl3", exl3), ("bf16", bf16), ("exl3", exl3), ("bf16", bf16)):
+        fn()
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(5):
+            fn()
+        print(f"{name} ({torch.get_num_threads()} threads{tier}): one step's linears {(time.perf_counter() - t0) / 5e-3:.1f} ms "
+              f"wall, {(time.process_time() - cpu0) / 5e-3:.1f} ms CPU")
+
+
+def read_bandwidth() -> float:
+    import torch
+
+    a = torch.ones(256 << 20)  # 1 GiB fp32
+    a.sum()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        a.sum()
+    return 3 * a.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def linears(args, cfg: dict, results: dict) -> None:
+    """The per-linear part, into `results`."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results["read_gb_s"] = read_bandwidth()
+    print(f"memory read bandwidth (1 GiB sum): {results['read_gb_s']:.1f} GB/s")
+    results["linears"] = linear_speeds(cfg, args.bits)
+    for r in results["linears"]:
+        print(f"linear {r['k']}x{r['n']} ({r['threads']} threads): EXL3 {r['exl3_us']:.0f} us ({r['exl3_ns_per_weight']:.3f} "
+              f"ns/w, {r['exl3_gb_s']:.2f} GB/s trellis, CPU {r['exl3_cpu_ns_per_weight']:.3f} ns/w) vs bf16 "
+              f"{r['bf16_us']:.0f} us ({r['bf16_ns_per_weight']:.3f} ns/w, {r['bf16_gb_s']:.2f} GB/s, CPU "
+              f"{r['bf16_cpu_ns_per_weight']:.3f} ns/w); EXL3 int8 opt-in {r['int8_ns_per_weight']:.3f} ns/w, CPU "
+              f"{r['int8_cpu_ns_per_weight']:.3f} ns/w")
+
+
+def main() -> None:
+    from cpu_decode import llama_config  # noqa: PLC0415  (the sibling bench: the same model shapes)
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--step", action="store_true", help="one decode step's linears instead of per linear")
+    parser.add_argument("--per-part", action="store_true", help="--step with one library call per part")
+    parser.add_argument("--tier", help="force this ISA tier (sets EXL3LOCAL_CPU_TIER)")
+    args = parser.parse_args()
+    if args.tier:
+        os.environ["EXL3LOCAL_CPU_TIER"] = args.tier
+    cfg = llama_config(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, 2048)
+    if args.step:
+        linear_step(args, cfg)
+        return
+    results: dict = {}
+    linears(args, cfg, results)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench (python -P adds no path)
+    main()
