@@ -21,6 +21,7 @@ import pytest
 
 from exl3local.engine import launch
 
+from engine_env import IN_PROCESS_ENGINE
 from oracle import OracleMatch, vocab_size
 from private_user import free_port
 from torchvision_stand_in import torchvision_stand_in
@@ -67,9 +68,7 @@ class Server:
             **(extra_env or {}),
         }
         if "--tensor-parallel-size" not in self.argv:
-            # The worker inside EngineCore, as on a GPU, instead of a third process that imports vLLM again
-            # (~15 s of CPU per server on CI). The product's own `up` keeps vLLM's CPU default (tests/models).
-            self.env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            self.env = {**IN_PROCESS_ENGINE, **self.env}
         self.proc: subprocess.Popen | None = None
 
     @property

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from engine_env import IN_PROCESS_ENGINE
 from oracle import greedy_gate, iter_sequences
 
 pytestmark = pytest.mark.slow
@@ -35,10 +36,9 @@ def test_compiled_engine_matches_the_oracle(tiny_models, fixtures_dir, tmp_path)
     oracle = load_file(fixtures_dir / "models" / MODEL / "oracle_logits.safetensors")
     seqs = list(iter_sequences(oracle))
     prompts = [(oracle[f"{s}.input_ids"].tolist(), len(oracle[f"{s}.greedy_tokens"])) for s in seqs]
-    # VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core and worker in this process (each spawned process would
-    # import vLLM again, ~15 s of CPU each on CI); the compiler runs the same
+    # the compiler runs the same with the engine core in this process
     env = {**os.environ, "VLLM_PLUGINS": "exl3", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-           "TMPDIR": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+           "TMPDIR": str(tmp_path), **IN_PROCESS_ENGINE}
     proc = subprocess.run([sys.executable, "-P", "-c", SCRIPT, str(tiny_models[MODEL]), json.dumps(prompts)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr

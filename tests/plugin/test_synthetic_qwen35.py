@@ -38,6 +38,7 @@ from safetensors.torch import load_file
 from exl3local.engine import textonly
 
 import exl3_writer
+from engine_env import IN_PROCESS_ENGINE
 from torchvision_stand_in import torchvision_stand_in
 
 pytestmark = pytest.mark.slow
@@ -110,8 +111,7 @@ def start_engine(model: Path, out: Path, kwargs: dict) -> subprocess.Popen:
         **os.environ, "VLLM_PLUGINS": "exl3", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
         "EXL3LOCAL_TRACE_DIR": str(out.parent / "trace"),
         "TORCHDYNAMO_DISABLE": "1",  # eager (ENGINE), as engine.launch starts a CPU engine: no sampler compile
-        # engine core and worker in this process: each spawned process re-imports vLLM (~15 s of CPU on CI)
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        **IN_PROCESS_ENGINE,
     }  # fmt: skip
     if textonly.torchvision_missing():
         env["PYTHONPATH"] = textonly.engine_pythonpath(os.environ)
