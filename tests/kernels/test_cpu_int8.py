@@ -87,3 +87,17 @@ def test_selftest_accepts_the_int8_path_at_its_tolerance_only(monkeypatch):
     # int8's error would fail the exact paths' bound: the looser one is the path's, not the kernel's
     assert by_path["cpu_gemv_int8"].error > selftest_checks.TOLERANCE
     assert by_path["cpu_gemm"].error < selftest_checks.tolerance(torch.bfloat16)
+
+
+def test_fused_layer_in_int8_mode_equals_its_parts():
+    """The fused-layer call (ops.CpuFusedLinear) quantizes each part's u per row as the one-part call does: the same
+    outputs, bit for bit; and it is the int8 arithmetic (not the exact one)."""
+    parts = [ops.CpuLinear(*_layer(256, n, bits, seed=n), bits, "mul1", int8=True) for n, bits in ((256, 4), (128, 2.5))]
+    fused = ops.CpuFusedLinear.make(parts, [256, 128], 256)
+    assert fused is not None and fused.int8
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
+    got = fused(x)
+    assert torch.equal(got, torch.cat([p(x) for p in parts], -1))
+    exact = [ops.CpuLinear(p.trellis, p.suh, p.svh, p.bits, "mul1", int8=False) for p in parts]
+    assert not torch.equal(got, torch.cat([p(x) for p in exact], -1))
+    assert ops.CpuFusedLinear.make([parts[0], exact[1]], [256, 128], 256) is None  # int8 and exact parts: no one call
