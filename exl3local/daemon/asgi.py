@@ -1,6 +1,7 @@
 """uvicorn inside the daemon's own event loop, for its two listeners (the API and the endpoint): on a
 socket the daemon bound itself, without uvicorn's signal handling (the daemon owns SIGTERM/SIGINT),
-its access log, or a connection that may stay silent forever."""
+its access log, its proxy-headers middleware (no proxy stands in front of either listener), or a
+connection that may stay silent forever."""
 
 from __future__ import annotations
 
@@ -12,18 +13,28 @@ from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 MAX_HEADER_BYTES = 16 * 1024  # request line + headers still incomplete past this: 400, connection closed
 
 
-class _Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with its keep-alive timer also armed on a new connection: uvicorn
-    arms it only after an answer, so a client that connects and sends nothing (or trickles its
-    headers) would hold the connection forever."""
+class _ArmedOnConnect:
+    """uvicorn's keep-alive timer also armed on a new connection: uvicorn arms it only after an
+    answer, so a client that connects and sends nothing would hold the connection forever."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self.timeout_keep_alive_task = self.loop.call_later(  # type: ignore[attr-defined]
+            self.timeout_keep_alive, self.timeout_keep_alive_handler)  # type: ignore[attr-defined]
+
+
+class _Protocol(_ArmedOnConnect, H11Protocol):
+    """h11 (pure Python): the API's protocol, whose requests are few."""
+
+
+class FastProtocol(_ArmedOnConnect, HttpToolsProtocol):
+    """httptools (llhttp, in C): the endpoint's protocol, which parses every client request and writes
+    every streamed chunk."""
 
 
 class _Server(uvicorn.Server):
@@ -38,9 +49,9 @@ class Served:
     def __init__(self, app: Any, sock: socket.socket, *, idle_timeout_s: float, own_headers: bool = True,
                  http: Any = _Protocol) -> None:
         """own_headers=False: no Server/Date headers of ours (the endpoint passes vLLM's on unchanged).
-        http: uvicorn's protocol; the endpoint uses httptools where installed (faster per chunk)."""
-        config = uvicorn.Config(app, http=http, lifespan="off", access_log=False, log_config=None,
-                                server_header=own_headers, date_header=own_headers,
+        http: uvicorn's protocol class (FastProtocol for the endpoint)."""
+        config = uvicorn.Config(app, http=http, interface="asgi3", lifespan="off", access_log=False, log_config=None,
+                                server_header=own_headers, date_header=own_headers, proxy_headers=False,
                                 timeout_keep_alive=max(int(idle_timeout_s), 1),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_graceful_shutdown=2)
         self.sock = sock

@@ -23,11 +23,11 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-import httpcore
-from starlette.applications import Starlette
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from exl3local import errors
 from exl3local.api.protocol import ENGINE_ALIVE, EngineState
@@ -54,8 +54,13 @@ ENGINE_PRIVATE = frozenset({
     "/weight_info", "/weight_checker", "/get_world_size"})
 IDLE_TIMEOUT_S = 5.0  # between requests on a keep-alive connection (uvicorn's default)
 ENGINE_CONNECT_TIMEOUT_S = 5.0  # a local socket: more is a stuck engine; reads have no limit (long generations)
-# what a failed or broken engine connection raises (httpcore has no one base class for them)
-ENGINE_ERRORS = (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError)
+# an idle engine connection is dropped by us before vLLM drops it (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a request
+# never goes out on a connection the engine is closing at that moment (a POST is not retried)
+ENGINE_KEEPALIVE_S = 4.0
+# what a failed or broken engine connection raises (a connect timeout is both)
+ENGINE_ERRORS = (aiohttp.ClientError, TimeoutError)
+# headers aiohttp would add to a request that lacks them: the client's request goes on as it was sent
+NOT_ADDED = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 
 
 def openai_error(status: int, message: str, kind: str, retry_after_s: int | None = None,
@@ -79,19 +84,20 @@ def request_fields(method: str, body: bytes) -> dict[str, Any]:
 
 
 class _Forwarded(StreamingResponse):
-    """The engine's answer streamed as it arrives. Whatever ends it (the last chunk, the client going away
-    before or during the stream, an error), the engine connection is closed, which makes vLLM abort a
-    request still running, and `done` is called once."""
+    """The engine's answer streamed as it arrives, each read passed on as it came (no re-chunking). Whatever
+    ends it (the last chunk, the client going away before or during the stream, an error), `done` is called
+    once and the answer is released: aiohttp pools a connection whose answer was read to its end and closes
+    one whose answer was not, which makes vLLM abort that request."""
 
-    def __init__(self, upstream: httpcore.Response, done: Callable[[], None],
+    def __init__(self, upstream: aiohttp.ClientResponse, done: Callable[[], None],
                  progress: Callable[[int | None, bool], None], ticket: int) -> None:
         async def chunks() -> Any:
-            async for chunk in upstream.stream:
+            async for chunk in upstream.content.iter_any():
                 progress(ticket, True)
                 yield chunk
 
         super().__init__(chunks(), upstream.status)
-        self.raw_headers = [(k.lower(), v) for k, v in upstream.headers if k.lower() not in HOP_BY_HOP]
+        self.raw_headers = [(k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in HOP_BY_HOP]
         self._upstream = upstream
         self._done = done
 
@@ -100,7 +106,7 @@ class _Forwarded(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._done()
-            await self._upstream.aclose()
+            self._upstream.release()
 
 
 class Front:
@@ -111,11 +117,10 @@ class Front:
         self.host: str | None = None
         self.port: int | None = None
         self._served: asgi.Served | None = None
-        self._pool: httpcore.AsyncConnectionPool | None = None
-        self._pool_uds: str | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._session_uds: str | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._origins: tuple[tuple[str, ...], re.Pattern[str]] | None = None  # the profile's CORS patterns, compiled
-        self.app = Starlette(routes=[Route("/{path:path}", self.forward, methods=METHODS)])
 
     async def listen(self, host: str, port: int) -> None:
         """Serve the endpoint on host:port (moving it when the port changed)."""
@@ -128,7 +133,8 @@ class Front:
                                      "cannot listen there",
                                      hint=f"free port {port}, or choose another with `exl3local up --port N`") from None
         await self.close()
-        self._served = asgi.Served(self.app, sock, idle_timeout_s=IDLE_TIMEOUT_S, own_headers=False, http="auto")
+        self._served = asgi.Served(self.app, sock, idle_timeout_s=IDLE_TIMEOUT_S, own_headers=False,
+                                   http=asgi.FastProtocol)
         await self._served.started()
         self.host, self.port = host, port
         log.info("endpoint listening on http://%s:%d", host, port)
@@ -138,22 +144,27 @@ class Front:
             await self._served.close()
             self._served = None
         self.host = self.port = None
-        if self._pool is not None:
-            await self._pool.aclose()
-            self._pool = self._pool_uds = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = self._session_uds = None
 
-    def engine(self, uds: str) -> httpcore.AsyncConnectionPool:
-        """The connection pool to the engine's socket (one per engine socket). httpcore, the transport under
-        httpx, without httpx's request and URL models: those were most of the front's CPU per request."""
-        if self._pool is None or self._pool_uds != uds:
-            old, self._pool = self._pool, httpcore.AsyncConnectionPool(uds=uds, max_connections=None,
-                                                                       max_keepalive_connections=32)
-            self._pool_uds = uds
-            if old is not None:  # the previous engine's pool: its streams end on their own
-                task = asyncio.get_running_loop().create_task(old.aclose())
+    def engine(self, uds: str) -> aiohttp.ClientSession:
+        """The client of the engine's socket (one per engine socket, its connections kept alive). aiohttp: its
+        response parser is C and a read is a wakeup on a future, where httpcore spent ~0.3 ms of Python per
+        streamed chunk (an anyio cancel scope per read, h11's events); httpx's request models cost more still.
+        No cookie jar: one client's cookies must not reach another's requests; no decompression: bytes pass
+        through as the engine sent them."""
+        if self._session is None or self._session_uds != uds:
+            old, self._session = self._session, aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=uds, limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S),
+                cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, skip_auto_headers=NOT_ADDED,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=ENGINE_CONNECT_TIMEOUT_S))
+            self._session_uds = uds
+            if old is not None:  # the previous engine's client: its streams end on their own
+                task = asyncio.get_running_loop().create_task(old.close())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-        return self._pool
+        return self._session
 
     def _refusal(self, request: Request) -> Response | None:
         """The front's own answer when there is no model, or the key is wrong; else None."""
@@ -191,6 +202,19 @@ class Front:
                 answer.headers["access-control-allow-origin"] = origin
                 answer.headers["vary"] = "Origin"
         return answer
+
+    async def app(self, scope: Any, receive: Any, send: Any) -> None:
+        """The endpoint's ASGI app: one handler for every path, without starlette's router and middleware
+        stack, which wrapped every streamed chunk's send in two more layers."""
+        if scope["type"] != "http":  # a WebSocket: not forwarded (as before, when a router held the one HTTP route)
+            await send({"type": "websocket.close", "code": 1000})
+            return
+        request = Request(scope, receive)
+        if request.method not in METHODS:
+            answer: Response = PlainTextResponse("Method Not Allowed", 405, headers={"Allow": ", ".join(METHODS)})
+        else:
+            answer = await self.forward(request)
+        await answer(scope, receive, send)
 
     async def forward(self, request: Request) -> Response:
         answer = await self._answer(request)
@@ -269,18 +293,17 @@ class Front:
         scheduler = self.daemon.scheduler
         spec = self.daemon.plan.spec
         # the body is whole here: its length is ours to say (a client's chunked upload arrives as one body)
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP_BY_HOP and k.lower() != b"content-length"]
-        headers.append((b"host", b"engine"))
+        headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
+                              if k.lower() not in HOP_BY_HOP and k.lower() != b"content-length")
         if body or request.method in ("POST", "PUT", "PATCH"):
-            headers.append((b"content-length", b"%d" % len(body)))
+            headers["content-length"] = str(len(body))
         # the path as the client sent it (percent-escapes kept), not starlette's decoded one
-        path = request.scope.get("raw_path") or request.url.path.encode()
-        query = request.scope.get("query_string", b"")
-        upstream = httpcore.Request(request.method.encode(), httpcore.URL(
-            scheme=b"http", host=b"engine", port=None, target=path + b"?" + query if query else path),
-            headers=headers, content=body, extensions={"timeout": {"connect": ENGINE_CONNECT_TIMEOUT_S}})
+        path = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
+        url = URL.build(scheme="http", host="engine", path=path,
+                        query_string=request.scope.get("query_string", b"").decode("latin-1"), encoded=True)
         try:
-            resp = await self.engine(spec.uds).handle_async_request(upstream)
+            resp = await self.engine(spec.uds).request(request.method, url, headers=headers, data=body or None,
+                                                       allow_redirects=False)
         except ENGINE_ERRORS as exc:
             scheduler.end(ticket)
             # a hung engine killed under a waiting request lands here too
@@ -292,6 +315,6 @@ class Front:
 
     async def engine_get(self, path: str) -> str:
         """GET on the engine itself (the daemon's /api/metrics); raises one of ENGINE_ERRORS."""
-        resp = await self.engine(self.daemon.plan.spec.uds).request(
-            "GET", f"http://engine{path}", extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"), 5.0)})
-        return resp.content.decode()
+        async with self.engine(self.daemon.plan.spec.uds).get(f"http://engine{path}",
+                                                               timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+            return await resp.text()

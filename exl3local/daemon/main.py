@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import uvloop
+
 from exl3local import errors, paths
 from exl3local.api.protocol import UpRequest
 from exl3local.daemon.server import Listen, serve
@@ -55,7 +57,7 @@ class InstanceLock:
 LOG_LINE_MAX_CHARS = 2000
 # Libraries whose INFO lines are not the daemon's story: httpx logs one line per request the daemon
 # makes (every dashboard poll of /api/metrics scrapes vLLM), which filled daemon.log.
-QUIET_LOGGERS = ("httpx", "httpcore", "uvicorn")  # uvicorn: its start-up lines; warnings still pass
+QUIET_LOGGERS = ("httpx", "aiohttp", "uvicorn")  # uvicorn: its start-up lines; warnings still pass
 
 
 class ClippedFormatter(logging.Formatter):
@@ -91,7 +93,10 @@ def run(*, foreground: bool = False, initial: UpRequest | None = None,
                                hint="talk to it with `exl3local status`, or stop it with `exl3local down`")
     setup_logging(foreground)
     try:
-        return asyncio.run(_main(Daemon(), Listen(), initial, on_ready))
+        # uvloop: the endpoint's per-chunk cost is mostly event-loop work (socket reads and writes, wakeups),
+        # which uvloop does in C; on a 2-core box every ms of the daemon's CPU is a ms the engine waits for a core
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(_main(Daemon(), Listen(), initial, on_ready))
     finally:
         lock.release()
 

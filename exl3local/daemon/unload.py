@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import httpcore
+import aiohttp
 
 SLEEP_TIMEOUT_S = 300.0  # level 2's wake reloads the weights from disk: a 16 GB checkpoint from a slow SSD
 
@@ -62,36 +62,35 @@ class SleepFailed(Exception):
     """A sleep or wake request the engine refused or did not answer; the message names the step."""
 
 
-async def _post(pool: httpcore.AsyncConnectionPool, target: str, headers: list[tuple[bytes, bytes]],
-                body: bytes = b"") -> Any:
+async def _post(engine: aiohttp.ClientSession, target: str, headers: dict[str, str], body: bytes = b"") -> Any:
     try:
-        resp = await pool.request("POST", f"http://engine{target}", headers=headers,
-                                  content=body, extensions={"timeout": dict.fromkeys(
-                                      ("connect", "read", "write", "pool"), SLEEP_TIMEOUT_S)})
-    except (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError) as exc:
+        async with engine.post(f"http://engine{target}", headers=headers, data=body,
+                               timeout=aiohttp.ClientTimeout(total=SLEEP_TIMEOUT_S)) as resp:
+            content = await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise SleepFailed(f"POST {target}: {type(exc).__name__}: {exc}") from None
     if resp.status != 200:
-        raise SleepFailed(f"POST {target}: HTTP {resp.status}: {resp.content[:300].decode('utf-8', 'replace')}")
-    return json.loads(resp.content) if resp.content else None
+        raise SleepFailed(f"POST {target}: HTTP {resp.status}: {content[:300].decode('utf-8', 'replace')}")
+    return json.loads(content) if content else None
 
 
-def _auth(key: str | None) -> list[tuple[bytes, bytes]]:
-    return [(b"authorization", f"Bearer {key}".encode())] if key else []
+def _auth(key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"} if key else {}
 
 
-async def sleep(pool: httpcore.AsyncConnectionPool, level: int, key: str | None = None) -> None:
+async def sleep(engine: aiohttp.ClientSession, level: int, key: str | None = None) -> None:
     """Put the engine to sleep. mode=wait: a request that slipped in is finished, not aborted."""
-    await _post(pool, f"/sleep?level={level}&mode=wait", _auth(key))
+    await _post(engine, f"/sleep?level={level}&mode=wait", _auth(key))
 
 
-async def wake(pool: httpcore.AsyncConnectionPool, level: int, key: str | None = None) -> None:
+async def wake(engine: aiohttp.ClientSession, level: int, key: str | None = None) -> None:
     """Wake a sleeping engine. After level 2 the weights' memory comes back empty: it is mapped first, the
     checkpoint is read into it, then the rest (KV cache) comes back."""
     headers = _auth(key)
     if level == 2:
-        await _post(pool, "/wake_up?tags=weights", headers)
-        await _post(pool, "/collective_rpc", headers + [(b"content-type", b"application/json")],
+        await _post(engine, "/wake_up?tags=weights", headers)
+        await _post(engine, "/collective_rpc", headers | {"content-type": "application/json"},
                     json.dumps({"method": "reload_weights"}).encode())
-    answer = await _post(pool, "/wake_up", headers)
+    answer = await _post(engine, "/wake_up", headers)
     if not isinstance(answer, dict) or answer.get("status") != "awake":
         raise SleepFailed(f"POST /wake_up: the engine says {answer!r}, not awake")

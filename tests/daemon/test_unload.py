@@ -10,7 +10,7 @@ import asyncio
 import socket
 from types import SimpleNamespace
 
-import httpcore
+import aiohttp
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -67,31 +67,31 @@ class StandIn:
         sock.setblocking(False)
         self.served = asgi.Served(self.app, sock, idle_timeout_s=5)
         await self.served.started()
-        self.pool = httpcore.AsyncConnectionPool(uds=self.path)
+        self.session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.path))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.pool.aclose()
+        await self.session.close()
         await self.served.close()
 
 
 async def test_sleep_and_wake_send_vllms_requests_in_order(tmp_path):
     async with StandIn(str(tmp_path / "e.sock")) as engine:
-        await unload.sleep(engine.pool, 1)
-        await unload.wake(engine.pool, 1)
+        await unload.sleep(engine.session, 1)
+        await unload.wake(engine.session, 1)
         assert [(p, q) for p, q, _, _ in engine.seen] == [("/sleep", "level=1&mode=wait"), ("/wake_up", "")]
         engine.seen.clear()
         # level 2 dropped the weights: map their memory, read the checkpoint into it, then the rest comes back
-        await unload.sleep(engine.pool, 2, key="sk-1")
-        await unload.wake(engine.pool, 2, key="sk-1")
+        await unload.sleep(engine.session, 2, key="sk-1")
+        await unload.wake(engine.session, 2, key="sk-1")
         assert [(p, q) for p, q, _, _ in engine.seen] == [
             ("/sleep", "level=2&mode=wait"), ("/wake_up", "tags=weights"), ("/collective_rpc", ""), ("/wake_up", "")]
         assert engine.seen[2][2] == b'{"method": "reload_weights"}'
         assert {auth for *_, auth in engine.seen} == {"Bearer sk-1"}
         engine.fail = "/collective_rpc"
-        await unload.sleep(engine.pool, 2)
+        await unload.sleep(engine.session, 2)
         with pytest.raises(unload.SleepFailed, match=r"POST /collective_rpc: HTTP 500"):
-            await unload.wake(engine.pool, 2)
+            await unload.wake(engine.session, 2)
 
 
 def fake_daemon(engine: StandIn | None, level: int | None, clock: SimpleNamespace, endpoint: dict) -> SimpleNamespace:
@@ -113,7 +113,7 @@ def fake_daemon(engine: StandIn | None, level: int | None, clock: SimpleNamespac
     marks: list[str] = []
     return SimpleNamespace(sup=sup, plan=plan, _lock=asyncio.Lock(), calls=calls, marks=marks,
                            engine_log=SimpleNamespace(mark=marks.append),
-                           front=SimpleNamespace(engine=lambda uds: engine.pool))
+                           front=SimpleNamespace(engine=lambda uds: engine.session))
 
 
 async def test_an_idle_gpu_engine_sleeps_and_the_next_request_wakes_it(tmp_path, monkeypatch):

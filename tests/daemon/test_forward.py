@@ -1,0 +1,116 @@
+"""The endpoint's forwarding (daemon/front.py) in one process: the real Front on a TCP port, a fake daemon around
+it, and an engine that is a raw ASGI app on a Unix socket, so each step waits on an event, not a sleep. What the
+client sends reaches the engine as sent (no header added by the front's HTTP client), the engine's stream comes
+back chunk by chunk, the client's cookies stay its own, and a client that leaves closes the engine request."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from types import SimpleNamespace
+
+import httpx
+
+from exl3local.api.protocol import EngineState
+from exl3local.daemon import asgi
+from exl3local.daemon.front import Front
+
+
+class Engine:
+    """Streams `data: 1`, then `data: 2` once `go` is set; records each request; `left` is set when the front
+    closed a request before its end (what makes vLLM abort it)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+        self.go = asyncio.Event()
+        self.left = asyncio.Event()
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self.seen.append({"path": scope["raw_path"], "query": scope["query_string"], "headers": headers})
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"set-cookie", b"session=engine-1"), (b"x-engine", b"yes")]})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        go = asyncio.ensure_future(self.go.wait())
+        gone = asyncio.ensure_future(receive())
+        await asyncio.wait([go, gone], return_when=asyncio.FIRST_COMPLETED)
+        if gone.done() and gone.result()["type"] == "http.disconnect":
+            self.left.set()
+            go.cancel()
+            return
+        gone.cancel()
+        await send({"type": "http.response.body", "body": b"data: 2\n\n"})
+
+
+class Scheduler:
+    idle = False
+
+    def __init__(self) -> None:
+        self.ended = 0
+
+    async def admit(self, model, prompt_bytes):
+        return 1
+
+    def end(self, ticket=None) -> None:
+        self.ended += 1
+
+    def progress(self, ticket=None, body=False) -> None:
+        pass
+
+
+async def serve(tmp_path):
+    engine = Engine()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp_path / "engine.sock"))
+    sock.listen(8)
+    sock.setblocking(False)
+    served = asgi.Served(engine, sock, idle_timeout_s=5)
+    await served.started()
+    daemon = SimpleNamespace(plan=SimpleNamespace(spec=SimpleNamespace(env={}, uds=str(tmp_path / "engine.sock")),
+                                                  profile=SimpleNamespace(endpoint={})),
+                             sup=SimpleNamespace(snapshot=lambda: {"state": EngineState.READY}), scheduler=Scheduler())
+    front = Front(daemon)
+    await front.listen("127.0.0.1", 0)
+    return engine, served, front, daemon, f"http://127.0.0.1:{front._served.sock.getsockname()[1]}"
+
+
+async def test_requests_pass_through_as_sent_and_the_stream_chunk_by_chunk(tmp_path):
+    engine, served, front, daemon, url = await serve(tmp_path)
+    try:
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+            request = client.build_request("POST", "/v1/completions?q=%20x", content=b'{"prompt": "hi"}',
+                                           headers={"X-Client": "a", "Cookie": "mine=1"})
+            resp = await client.send(request, stream=True)
+            chunks = resp.aiter_raw()
+            assert await anext(chunks) == b"data: 1\n\n"  # before the engine made the second: nothing held back
+            engine.go.set()
+            assert [c async for c in chunks] == [b"data: 2\n\n"]
+            assert resp.headers["x-engine"] == "yes" and resp.headers["set-cookie"] == "session=engine-1"
+            first = engine.seen[0]
+            assert (first["path"], first["query"]) == (b"/v1/completions", b"q=%20x")
+            # the client's headers and no other (its Host and Connection are the hop's)
+            sent = {k.lower(): v for k, v in request.headers.items() if k.lower() not in ("host", "connection")}
+            assert first["headers"] == sent | {"host": "engine"}
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as other:
+            await other.post("/v1/completions", content=b"{}")
+        # the engine's cookie went to the client that got it, never along with another client's request
+        assert "cookie" not in engine.seen[1]["headers"]
+        assert daemon.scheduler.ended == 2
+    finally:
+        await front.close()
+        await served.close()
+
+
+async def test_a_client_leaving_mid_stream_closes_its_engine_request(tmp_path):
+    engine, served, front, daemon, url = await serve(tmp_path)
+    try:
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+            async with client.stream("POST", "/v1/completions", content=b"{}") as resp:
+                assert await anext(resp.aiter_raw()) == b"data: 1\n\n"
+        await asyncio.wait_for(engine.left.wait(), 10)
+        assert daemon.scheduler.ended == 1
+    finally:
+        await front.close()
+        await served.close()
