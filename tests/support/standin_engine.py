@@ -117,6 +117,7 @@ def main() -> None:
         class UnixServer(ThreadingMixIn, HTTPServer):
             address_family = socket.AF_UNIX
             daemon_threads = True
+            request_queue_size = 2048  # vLLM's (uvicorn's) backlog: a burst of connects waits, not refused (EAGAIN)
 
             def server_bind(self) -> None:  # no host/port to record
                 self.socket.bind(self.server_address)
