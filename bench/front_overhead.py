@@ -1,15 +1,20 @@
 """What the daemon's endpoint (daemon/front.py) costs: streaming completions through it against the same
 requests sent straight to vLLM's Unix socket, on one engine, alternating, in one run.
 
-    .venv/bin/python -P bench/front_overhead.py [--rounds 3] [--tokens 64] [--concurrency 1 8] [MODEL_DIR]
+    .venv/bin/python -P bench/front_overhead.py [--rounds 20] [--tokens 256] [--concurrency 1 8] [MODEL_DIR]
     .venv/bin/python -P bench/front_overhead.py --standin tests/support/standin_engine.py MODEL_DIR
 
 --standin SCRIPT: that Python file stands in for vLLM (it streams max_tokens SSE events STANDIN_TOKEN_S apart,
 0.01 s unless set), so the difference is the endpoint's own cost, without vLLM competing for the cores.
 
-Default model: the bundled demo (`up --demo`). Per concurrency level and path: TTFT p50 (request sent →
-first token event) and decode tok/s per request (tokens after the first / time from first to last),
-averaged. Isolated XDG dirs, TMPDIR and ports: it does not touch a running daemon.
+Default model: the bundled demo (`up --demo`). A round sends `concurrency` requests down each path, the two paths
+in alternating order. Per request: TTFT (request sent → first token event) and decode tok/s (events after the
+first / time from first to last; the demo model coalesces short streams into a few reads, hence 256 tokens).
+The verdict compares rounds pairwise (each round's front median against the same round's direct median), so a
+load change across the run moves both sides: the median of those differences with a bootstrap 95% interval,
+against the issue's budget (TTFT +5 ms, decode >= 0.98x). Daemon CPU per request: the daemon's CPU time (psutil)
+over the front's cells, less its idle rate measured over the direct cells, over the requests.
+Isolated XDG dirs, TMPDIR and ports: it does not touch a running daemon.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import random
 import statistics
 import sys
 import tempfile
@@ -24,9 +31,13 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from isolated import cli, isolated_env  # noqa: E402
+
+TTFT_BUDGET_MS = 5.0
+DECODE_BUDGET = 0.98
 
 
 async def one(client: httpx.AsyncClient, model: str, tokens: int) -> tuple[float, float]:
@@ -37,7 +48,8 @@ async def one(client: httpx.AsyncClient, model: str, tokens: int) -> tuple[float
     first = last = None
     n = 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            sys.exit(f"HTTP {resp.status_code} from {client.base_url}: {(await resp.aread())[:400].decode()}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -48,36 +60,103 @@ async def one(client: httpx.AsyncClient, model: str, tokens: int) -> tuple[float
     return first - t0, (n - 1) / (last - first)
 
 
-async def level(client: httpx.AsyncClient, model: str, tokens: int, concurrency: int) -> list[tuple[float, float]]:
-    return await asyncio.gather(*(one(client, model, tokens) for _ in range(concurrency)))
+def cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
-async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int, levels: list[int]) -> dict:
+async def cell(client: httpx.AsyncClient, model: str, tokens: int, c: int, daemon: psutil.Process) -> dict:
+    """One round's requests down one path: their rows, the wall time and the daemon's CPU time meanwhile."""
+    cpu0, t0 = cpu_s(daemon), time.perf_counter()
+    rows = await asyncio.gather(*(one(client, model, tokens) for _ in range(c)))
+    return {"rows": rows, "wall_s": time.perf_counter() - t0, "cpu_s": cpu_s(daemon) - cpu0}
+
+
+def ci95(values: list[float]) -> tuple[float, float]:
+    """Bootstrap 95% interval of the median (seeded: the same data gives the same interval)."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(2000))
+    return meds[50], meds[1949]
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return q[0], statistics.median(values), q[2]
+
+
+def summary(cells: dict[str, list[dict]]) -> dict:
+    """Per path: TTFT and decode quartiles over requests; paired per round: TTFT difference and decode ratio
+    (medians with 95% intervals); the daemon's CPU per request through the front."""
+    out: dict = {}
+    for path, rounds in cells.items():
+        rows = [r for c in rounds for r in c["rows"]]
+        out[path] = {"ttft_ms": [1000 * v for v in quartiles([t for t, _ in rows])],
+                     "decode": quartiles([s for _, s in rows]), "requests": len(rows)}
+    pairs = list(zip(cells["front"], cells["direct"], strict=True))
+    diff = [1000 * (statistics.median(t for t, _ in f["rows"]) - statistics.median(t for t, _ in d["rows"]))
+            for f, d in pairs]
+    ratio = [statistics.median(s for _, s in f["rows"]) / statistics.median(s for _, s in d["rows"]) for f, d in pairs]
+    out["ttft_diff_ms"] = (statistics.median(diff), *ci95(diff))
+    out["decode_ratio"] = (statistics.median(ratio), *ci95(ratio))
+    idle_rate = sum(c["cpu_s"] for c in cells["direct"]) / sum(c["wall_s"] for c in cells["direct"])
+    front = cells["front"]
+    busy = sum(c["cpu_s"] for c in front) - idle_rate * sum(c["wall_s"] for c in front)
+    out["cpu_ms_per_request"] = 1000 * busy / out["front"]["requests"]
+    out["idle_cpu_ms_per_s"] = 1000 * idle_rate
+    return out
+
+
+async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int, levels: list[int],
+                  daemon: psutil.Process) -> dict:
     limits = httpx.Limits(max_connections=None)
     front = httpx.AsyncClient(base_url=endpoint, timeout=600, limits=limits, trust_env=False)
     direct = httpx.AsyncClient(base_url="http://engine", transport=httpx.AsyncHTTPTransport(uds=uds), timeout=600,
                                limits=limits, trust_env=False)
     results: dict = {}
     async with front, direct:
-        await level(front, model, 8, 2)  # warm both paths and the engine
-        await level(direct, model, 8, 2)
+        for c in levels:  # warm both paths, the engine, and as many pooled connections as the level needs
+            await cell(front, model, 8, c, daemon)
+            await cell(direct, model, 8, c, daemon)
         for c in levels:
-            got: dict[str, list[tuple[float, float]]] = {"front": [], "direct": []}
+            cells: dict[str, list[dict]] = {"front": [], "direct": []}
             for r in range(rounds):
                 order = [("front", front), ("direct", direct)] if r % 2 == 0 else [("direct", direct), ("front", front)]
                 for name, client in order:
-                    got[name] += await level(client, model, tokens, c)
-            results[c] = {name: {"ttft_p50_ms": 1000 * statistics.median(t for t, _ in rows),
-                                 "decode_tok_s": statistics.mean(s for _, s in rows), "requests": len(rows)}
-                          for name, rows in got.items()}
+                    cells[name].append(await cell(client, model, tokens, c, daemon))
+            results[c] = summary(cells)
     return results
+
+
+def verdict(low: float, high: float, budget: float, *, below: bool) -> str:
+    """Met when the whole interval is on the budget's side, not met when it is all beyond, else undecided."""
+    ok, bad = (high <= budget, low > budget) if below else (low >= budget, high < budget)
+    return "met" if ok else "NOT met" if bad else "undecided at this sample size"
+
+
+def report(res: dict, head: str) -> None:
+    print(head)
+    for c, s in res.items():
+        f, d = s["front"], s["direct"]
+        t, tl, th = s["ttft_diff_ms"]
+        r, rl, rh = s["decode_ratio"]
+        print(f"concurrency {c} ({f['requests']} requests per path):\n"
+              f"  TTFT ms p25/p50/p75  front {f['ttft_ms'][0]:.1f}/{f['ttft_ms'][1]:.1f}/{f['ttft_ms'][2]:.1f}  "
+              f"direct {d['ttft_ms'][0]:.1f}/{d['ttft_ms'][1]:.1f}/{d['ttft_ms'][2]:.1f}\n"
+              f"  decode tok/s p25/p50/p75  front {f['decode'][0]:.1f}/{f['decode'][1]:.1f}/{f['decode'][2]:.1f}  "
+              f"direct {d['decode'][0]:.1f}/{d['decode'][1]:.1f}/{d['decode'][2]:.1f}\n"
+              f"  paired per round: TTFT {t:+.1f} ms (95% {tl:+.1f}..{th:+.1f}): "
+              f"{verdict(tl, th, TTFT_BUDGET_MS, below=True)} (budget +{TTFT_BUDGET_MS:g} ms); "
+              f"decode {r:.3f}x (95% {rl:.3f}..{rh:.3f}): {verdict(rl, rh, DECODE_BUDGET, below=False)} "
+              f"(budget >= {DECODE_BUDGET}x)\n"
+              f"  daemon CPU {s['cpu_ms_per_request']:.1f} ms per request through the front "
+              f"(idle {s['idle_cpu_ms_per_s']:.1f} ms/s subtracted)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="checkpoint dir (default: the bundled demo)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--standin", type=Path, help="a Python file that stands in for vLLM (see above)")
     args = ap.parse_args()
@@ -99,18 +178,15 @@ def main() -> None:
             record = json.loads((Path(tmp) / "state" / "exl3local" / "engine.json").read_text())
             uds = str(Path(record["tmpdir"]) / "engine.sock")
             endpoint = status["endpoint"].removesuffix("/v1")
+            load0 = os.getloadavg()[0]
             res = asyncio.run(measure(endpoint, uds, status["served_model_name"], args.rounds, args.tokens,
-                                      args.concurrency))
+                                      args.concurrency, psutil.Process(status["daemon_pid"])))
+            load1 = os.getloadavg()[0]
         finally:
             cli(env, "down")
     engine = f"stand-in {args.standin.name}" if args.standin else "vLLM"
-    print(f"model {status['model']} on {engine}, {args.tokens} tokens per request, {args.rounds} rounds per path")
-    for c, paths in res.items():
-        f, d = paths["front"], paths["direct"]
-        print(f"concurrency {c}: TTFT p50 front {f['ttft_p50_ms']:.1f} ms, direct {d['ttft_p50_ms']:.1f} ms "
-              f"(+{f['ttft_p50_ms'] - d['ttft_p50_ms']:.1f} ms); decode front {f['decode_tok_s']:.1f} tok/s, "
-              f"direct {d['decode_tok_s']:.1f} tok/s ({f['decode_tok_s'] / d['decode_tok_s']:.3f}x); "
-              f"{f['requests']} requests each")
+    report(res, f"model {status['model']} on {engine}, {args.tokens} tokens per request, {args.rounds} rounds per "
+                f"path; load average {load0:.1f} at the start, {load1:.1f} at the end")
 
 
 if __name__ == "__main__":
