@@ -73,12 +73,15 @@ def test_ring_dot_kernel_decodes_bit_exactly_in_registers(make_layer, kernel_dev
 
 
 def test_right_reconstruct_is_within_exllamav3_spread(fixture_cases):
-    # W_r = Ŵ·Hn⊙svh, so diag(suh)·Hk·W_r is the weight in the original basis (exllamav3's w_recon).
+    # W_r = Ŵ·Hn⊙svh, so diag(suh)·Hk·W_r is the weight in the original basis (exllamav3's w_recon). Both
+    # Hadamard transforms mix within 128-blocks only, so the corner 128x128 block is checked on its own (the
+    # interpreter's time grows with the tensor: whole fixtures took a minute).
     for case, t in fixture_cases[::4]:
-        w_r = right_reconstruct(t["trellis"], t["svh"], case["K"], case["codebook"])
-        w = hadamard_cols(w_r) * t["suh"].float()[:, None]
-        tolerance = 2e-3 * t["w_recon"].float().abs().max().item()
-        err = (w.float() - t["w_recon"].float()).abs().max().item()
+        w_r = right_reconstruct(t["trellis"][:8, :8].contiguous(), t["svh"][:128], case["K"], case["codebook"])
+        w = hadamard_cols(w_r) * t["suh"][:128].float()[:, None]
+        w_recon = t["w_recon"][:128, :128].float()
+        tolerance = 2e-3 * w_recon.abs().max().item()
+        err = (w.float() - w_recon).abs().max().item()
         assert err <= tolerance, f"{case['case']}: max |W - w_recon| = {err:.2e}"
 
 
