@@ -1,12 +1,12 @@
 """EXL3 linears on the CPU without an engine, against torch bf16 on weights of the same shapes (split from
 bench/cpu_decode.py, which runs the engines and calls `linears` for its per-linear part).
 
-    python -P bench/cpu_linears.py [--step] [--threads N] [--tier avx2vnni] [--per-part] [--layers 4] ...
+    python -P bench/cpu_linears.py [--step [--repeat 3]] [--threads N] [--tier avx2vnni] [--layers 4] ...
 
 Default: per linear shape (one row, weights cycled through copies larger than the L3 cache) ns per weight and GB/s
 of weight bytes read, as wall time and as CPU time of all threads, next to this machine's read bandwidth (a 1 GiB
-sum). --step: one decoded token's linears for every layer (through the plugin's BoundLinear: one library call per
-fused layer, or with --per-part one per part) vs F.linear. --tier forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g.
+sum). --step: one decoded token's linears for every layer through the plugin's BoundLinear, with one library call per
+fused layer (the default) and with one per part, against F.linear, alternating in one process. --tier forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g.
 the AVX2 laptop tiers on an AVX-512 machine.
 """
 
@@ -71,7 +71,7 @@ def linear_step(args, cfg: dict) -> None:
 
     from exl3local.kernels import KernelSpec, prepare
     from exl3local.kernels.bound import BoundLinear
-    from exl3local.kernels.cpu import build, ops
+    from exl3local.kernels.cpu import build
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,31 +86,38 @@ def linear_step(args, cfg: dict) -> None:
         return kernel, trellis, (torch.randn(k, generator=g) * k**-0.5).half(), torch.randn(n, generator=g).half(), n
 
     layers = [[BoundLinear([part(k, n) for n in ns], k) for k, ns in shapes] for _ in range(cfg["num_hidden_layers"])]
-    if args.per_part:  # each part its own library call (before session 8's fused-layer call)
-        for layer in layers:
-            for bound in layer:
-                bound.whole = None
     dense = [[torch.randn(sum(ns), k, generator=g).bfloat16() for k, ns in shapes] for _ in layers]
     xs = {k: torch.randn(1, k, generator=g).bfloat16() for k, _ in shapes}
+    bounds = [bound for layer in layers for bound in layer]
+    whole = [bound.whole for bound in bounds]
 
-    def exl3() -> None:
-        for layer in layers:
-            for bound in layer:
-                bound(xs[bound.in_features])
+    def exl3(fused: bool) -> None:
+        for bound, one in zip(bounds, whole):
+            bound.whole = one if fused else None  # None: each part its own library call (before session 8)
+            bound(xs[bound.in_features])
 
     def bf16() -> None:
         for layer in dense:
             for w in layer:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 
-    tier = f", {build.chosen_tier()} tier{', per part' if args.per_part else ''}"
-    for name, fn in (("exl3", exl3), ("bf16", bf16), ("exl3", exl3), ("bf16", bf16)):
-        fn()
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(5):
+    cpu: dict[str, list[float]] = {}
+    runs = (("exl3, one call per layer", lambda: exl3(True)), ("exl3, one call per part", lambda: exl3(False)),
+            ("bf16", bf16))
+    for _ in range(args.repeat):  # alternating, in one process: a change in the machine's load hits all three
+        for name, fn in runs:
             fn()
-        print(f"{name} ({torch.get_num_threads()} threads{tier}): one step's linears {(time.perf_counter() - t0) / 5e-3:.1f} ms "
-              f"wall, {(time.process_time() - cpu0) / 5e-3:.1f} ms CPU")
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(5):
+                fn()
+            wall_ms, cpu_ms = (time.perf_counter() - t0) / 5e-3, (time.process_time() - cpu0) / 5e-3
+            cpu.setdefault(name, []).append(cpu_ms)
+            print(f"{name} ({torch.get_num_threads()} threads, {build.chosen_tier()} tier): one step's linears "
+                  f"{wall_ms:.1f} ms wall, {cpu_ms:.1f} ms CPU", flush=True)
+    best = {name: min(values) for name, values in cpu.items()}
+    print("best CPU ms per step: " + ", ".join(f"{name} {ms:.1f}" for name, ms in best.items())
+          + f"; bf16/exl3 {best['bf16'] / best['exl3, one call per layer']:.2f}x (per part "
+          f"{best['bf16'] / best['exl3, one call per part']:.2f}x); load {os.getloadavg()[0]:.1f}")
 
 
 def read_bandwidth() -> float:
@@ -153,7 +160,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--step", action="store_true", help="one decode step's linears instead of per linear")
-    parser.add_argument("--per-part", action="store_true", help="--step with one library call per part")
+    parser.add_argument("--repeat", type=int, default=3, help="--step: alternate the variants this many times")
     parser.add_argument("--tier", help="force this ISA tier (sets EXL3LOCAL_CPU_TIER)")
     args = parser.parse_args()
     if args.tier:
