@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -23,8 +23,6 @@ from exl3local import env, paths, profiles
 from exl3local.api import lognoise
 from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import DaemonStatus, EngineState, UpRequest
-from exl3local.daemon import main as daemon_main
-from exl3local.daemon.server import Daemon
 from exl3local.commands.progress import UpProgress
 from exl3local.commands.selftest import kernel_notes
 from exl3local.desktop import service
@@ -32,6 +30,9 @@ from exl3local.engine import apikey
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
 from exl3local.models import catalog, hub, store
 from exl3local.units import format_bytes, format_duration
+
+if TYPE_CHECKING:
+    from exl3local.daemon.server import Daemon
 
 DAEMON_START_TIMEOUT_S = 20.0
 DOWN_TIMEOUT_S = 30.0
@@ -163,6 +164,8 @@ def _check_key_state(client: DaemonClient) -> None:
 
 
 def _up_foreground(req: UpRequest) -> int:
+    from exl3local.daemon import main as daemon_main  # lazy: the server stack loads only where a daemon runs
+
     async def announce(d: Daemon) -> None:
         while d.sup.state not in (EngineState.READY, EngineState.FAILED):
             await d.sup.wait_change()
@@ -351,6 +354,8 @@ def _add_logs(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_daemon(args: argparse.Namespace) -> int:
+    from exl3local.daemon import main as daemon_main  # lazy: as in _up_foreground
+
     return daemon_main.run(foreground=not args.detached)
 
 

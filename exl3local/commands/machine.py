@@ -16,7 +16,6 @@ from exl3local import env, manifest, paths, profiles
 from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import ENGINE_ALIVE
 from exl3local.commands.selftest import plugin_check
-from exl3local.daemon.plan import ENGINE_HOST, plugin_transients, port_free
 from exl3local.engine import apikey, model_fit
 from exl3local.errors import ConfigError, DaemonUnavailable, Exl3Error
 from exl3local.machine import hardware
@@ -143,6 +142,8 @@ def _check_engine(python: str) -> tuple[bool, str]:
 
 def _engine_port_owner(client: DaemonClient, port: int) -> str | None:
     """'this daemon's engine (pid N)' when our own engine listens on `port`, else None."""
+    from exl3local.daemon.plan import ENGINE_HOST  # lazy: as in _cmd_doctor
+
     try:
         st = client.status()
     except Exl3Error:
@@ -207,6 +208,8 @@ def _check_ttm(device, bud, overhead: int, check) -> None:
 
 def _check_daemon_and_port(check) -> None:
     """Whether the daemon runs, and who holds the engine port (our own engine is fine)."""
+    from exl3local.daemon.plan import ENGINE_HOST, port_free  # lazy: as in _cmd_doctor
+
     port = int(env.ENGINE_PORT.get())
     with DaemonClient() as client:
         try:
@@ -246,6 +249,8 @@ def _check_api_key(check) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    from exl3local.daemon.plan import plugin_transients  # lazy: the daemon's planning code, for doctor only
+
     results: list[tuple[bool | None, str, str]] = []
     console = Console(stderr=True)
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from exl3local import manifest
 from exl3local.api.client import DaemonClient
 from exl3local.api.protocol import ENGINE_ALIVE
-from exl3local.daemon.plan import read_checkpoint
 from exl3local.errors import BudgetError, ConfigError, DaemonUnavailable, Exl3Error
 from exl3local.models import catalog, hub, store
 from exl3local.models.store import ModelRef, PulledModel
@@ -121,6 +120,8 @@ def _cmd_register(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from exl3local.daemon.plan import read_checkpoint  # lazy: the daemon's planning code loads for inspect only
+
     m = read_checkpoint(Path(args.path).resolve())  # errors name the directory looked in, not just "config.json"
     print(m.to_json() if args.json else m.summary())
     return 0
