@@ -12,7 +12,8 @@ EXL3LOCAL_TILED_MAX_ROWS set, the same fused kernel with TILE_ROWS-row tiles (tr
 weight decoded once per 64 rows, never written out), up to that many rows; more rows leave the bound launches
 (BoundLinear.unfused: the kernels' apply, i.e. the fp16 reconstruct path).
 
-Launching and scratch: kernels/launcher.py (DirectLaunch, Workspace).
+Launching and scratch: kernels/launcher.py (DirectLaunch, Workspace). A fused layer's parts in one grid:
+kernels/bound_group.py (GroupLaunch).
 """
 
 from __future__ import annotations
@@ -32,11 +33,8 @@ from exl3local.kernels.triton_gemv import (
 )
 from exl3local.kernels.triton_hadamard import NATURAL, _input_kernel, hadamard_operands, rows_per_program
 
-# Fused layers wider than this many 128-column blocks keep a launch pair per part: on the H200 one grid lost at
-# 272 blocks (27B gate_up, 2 x 17408: 169 vs 132 µs at M = 1) and won at 128 and below (27B in_proj_qkvz 65 vs
-# 72 µs, q/k/v 57 vs 84; docs/PERF.md "Model step"); between them is unmeasured.
-GROUP_MAX_BLOCKS = 256
 MAX_ROWS = 16  # one dot tile of rows; more rows go to the tiled path if on, else the reconstruct path
+
 BLOCK_N = FUSED_BLOCK_N_TILES * 16
 
 
@@ -91,7 +89,7 @@ class FusedLaunch:
                                 expert_words=trellis[0].numel() // 2 if experts else 0,
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
                                 SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0, PAIRS=False,
-                                FLAT=True)
+                                FLAT=True, GROUPED=False)
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
@@ -165,14 +163,22 @@ class FusedLaunch:
 
     def _plan(self, key: tuple) -> tuple:
         """Grids, workspace needs and the fixed arguments of both launches for one call signature."""
-        rows, _, _, _, _, x_div, k_valid, n_out, _, pairs, glu = key
+        rows, _, _, _, _, x_div, k_valid, n_out, _, pairs, glu, tiles = key
         if not self.experts and rows > self.max_rows:
             raise ValueError(f"{rows} rows: more than this launch serves ({self.max_rows}, EXL3LOCAL_TILED_MAX_ROWS)")
         m_blocks = rows if self.experts else 1
         splits, per_split = self.split_for(m_blocks)
         block_m = rows_per_program(rows)
         input_fixed = dict(self.input_fixed, x_div=x_div, k_valid=k_valid, BM=block_m, PAIRS=pairs, GLU=glu)
-        if rows > MAX_ROWS and not self.experts:
+        needs = self.needs(rows)
+        if tiles:  # MoE over expert-sorted tiles: tile rows (x2 with pairs) instead of units in the grid
+            m_blocks = tiles * (2 if pairs else 1)
+            splits, per_split = self.split_for(m_blocks)
+            needs = (needs[0], splits * rows * self.size_n, m_blocks * self.n_blocks)
+            matmul = (self.fused, (self.n_blocks, splits, m_blocks),
+                      dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs,
+                           HAS_IDS=False, GROUPED=True))
+        elif rows > MAX_ROWS and not self.experts:
             blocks, splits, m_blocks = self.tiled_grid(rows)
             per_split = self.tiled_fixed["k_steps"] // splits
             matmul = (self.tiled, (blocks, splits, m_blocks),
@@ -184,20 +190,22 @@ class FusedLaunch:
         else:
             matmul = (self.fused, (self.n_blocks, splits, m_blocks),
                       dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs))
-        plan = ((-(-rows // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul)
+        plan = ((-(-rows // block_m), self.k_blocks, 1), needs, input_fixed, *matmul)
         self.plans[key] = plan
         return plan
 
     def launch(self, x: torch.Tensor, y: torch.Tensor, rows: int, ids: torch.Tensor | None = None, x_div: int = 1,
-               k_valid: int | None = None, n_out: int | None = None, pairs: bool = False, glu: bool = False) -> None:
+               k_valid: int | None = None, n_out: int | None = None, pairs: bool = False, glu: bool = False,
+               tiles: tuple[torch.Tensor, int] | None = None) -> None:
         """y[:rows, :n_out] = the projection of x's rows (MoE: of unit r = x[r // x_div] through expert ids[r]);
         x has k_valid features (unit stride), y's columns have unit stride. MoE only: `pairs`, unit r runs
         expert row 2·ids[r // 2] + r % 2 (gate/up of a stacked w13); `glu`, unit r's input is silu(x[2r]) ⊙
-        x[2r + 1] (x_div 1)."""
+        x[2r + 1] (x_div 1); `tiles`, triton_moe.expert_tiles' (table, tiles) of these ids: the matmul runs over
+        tiles of expert-sorted units (GROUPED) instead of one unit per program."""
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, x_div,
                self.size_k if k_valid is None else k_valid, self.size_n if n_out is None else n_out,
-               None if ids is None else (ids.dtype, ids.data_ptr() % 16 == 0), pairs, glu)
+               None if ids is None else (ids.dtype, ids.data_ptr() % 16 == 0), pairs, glu, tiles[1] if tiles else 0)
         input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
         stream = self.stream()
         ws = Workspace._live.get((self.device, stream))
@@ -208,110 +216,14 @@ class FusedLaunch:
         x_stride, y_stride, stride_zs = x.stride(0), y.stride(0), rows * self.size_n
         self.input(input_grid, stream, key, input_fixed, (x, ids_, ws.inputs, rows, x_stride),
                    (x_ptr, ids_ptr, u_ptr, rows, x_stride))
+        if tiles:
+            ids_, ids_ptr = tiles[0], tiles[0].data_ptr()
         if matmul is not self.fma:
             matmul(grid, stream, key, fixed, (ws.inputs, ids_, y, ws.partials, ws.counters, rows, y_stride, stride_zs),
                    (u_ptr, ids_ptr, y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs))
         else:
             matmul(grid, stream, key, fixed, (ws.inputs, y, ws.partials, ws.counters, rows, y_stride, stride_zs),
                    (u_ptr, y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs))
-
-
-class GroupLaunch(FusedLaunch):
-    """Every part of a fused layer (q/k/v, gate/up: one x, same rate, codebook and k, each its own suh/svh/bits)
-    in two launches: one input transform over all parts (the parts' suh stacked, row m of part p written as u
-    row m·P + p, so the MoE unit mode of the input kernel serves it with ids = p) and one matmul grid over every
-    part's column blocks (triton_fused PARTS mode, a per-block table names the part). The parts' trellises must
-    be views of one allocation (the plugin's flat arena), so one base pointer reaches them all."""
-
-    def __init__(self, parts, bits: float, codebook: str, bias: torch.Tensor | None = None) -> None:
-        """parts: [(trellis, suh, svh, out_features)] at one rate; bias covers the sum of out_features."""
-        trellis0, suh0, _, _ = parts[0]
-        super().__init__(trellis0, suh0, torch.cat([svh for _, _, svh, _ in parts]), bits, codebook, bias=bias)
-        self.count = len(parts)
-        self.size_n = sum(t.shape[-2] * 16 for t, *_ in parts)
-        self.n_blocks = self.size_n // BLOCK_N
-        self.fma = None  # one grid over parts: the dot kernel at every row count
-        device = self.device
-        self.suh = torch.stack([suh for _, suh, _, _ in parts])
-        rows = []
-        cols = out_start = 0
-        for i, (trellis, _, _, out) in enumerate(parts):
-            offset = trellis.data_ptr() - trellis0.data_ptr()
-            if offset % 4 or trellis.untyped_storage().data_ptr() != trellis0.untyped_storage().data_ptr():
-                raise ValueError("grouped parts need their trellises in one allocation, 4-byte aligned")
-            tiles_n = trellis.shape[-2]
-            rows += [[offset // 4, cols, out_start, out, tiles_n, i, cols // BLOCK_N, 0]
-                     for _ in range(tiles_n * 16 // BLOCK_N)]
-            cols += tiles_n * 16
-            out_start += out
-        self.table = torch.tensor(rows, dtype=torch.int64, device=device)
-        self.part_ids = torch.arange(self.max_rows * self.count, device=device, dtype=torch.int32) % self.count
-        self.input_fixed = dict(self.input_fixed, suh_ptr=self.suh, HAS_IDS=True)
-        grouped = dict(tiles_n=self.size_n // 16, parts_ptr=self.table, PARTS=self.count)
-        self.fused_fixed = dict(self.fused_fixed, **grouped)
-        self.tiled_fixed = dict(self.tiled_fixed, **grouped)
-
-    def needs(self, rows: int) -> tuple[int, int, int]:
-        if rows > MAX_ROWS:
-            blocks, splits, m_blocks = self.tiled_grid(rows)
-            return rows * self.count * self.size_k, splits * rows * self.size_n, blocks * m_blocks
-        splits, _ = self.split_for(1)
-        return rows * self.count * self.size_k, splits * rows * self.size_n, self.n_blocks
-
-    def _plan(self, key: tuple) -> tuple:
-        rows, _, _, _, _, _, k_valid, _, _, _, _ = key
-        if rows > self.max_rows:
-            raise ValueError(f"{rows} rows: more than this launch serves ({self.max_rows}, EXL3LOCAL_TILED_MAX_ROWS)")
-        units = rows * self.count
-        block_m = rows_per_program(units)
-        input_fixed = dict(self.input_fixed, x_div=self.count, k_valid=k_valid, BM=block_m)
-        if rows > MAX_ROWS:
-            blocks, splits, m_blocks = self.tiled_grid(rows)
-            matmul = (self.tiled, (blocks, splits, m_blocks),
-                      dict(self.tiled_fixed, n_out=0, steps_per_split=self.tiled_fixed["k_steps"] // splits,
-                           SPLIT=splits > 1))
-        else:
-            splits, per_split = self.split_for(1)
-            matmul = (self.fused, (self.n_blocks, splits, 1),
-                      dict(self.fused_fixed, n_out=0, steps_per_split=per_split, SPLIT=splits > 1))
-        plan = ((-(-units // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul)
-        self.plans[key] = plan
-        return plan
-
-    def launch(self, x: torch.Tensor, y: torch.Tensor, rows: int, ids=None, x_div: int = 1,
-               k_valid: int | None = None, n_out: int | None = None) -> None:
-        """y[:rows, :Σ out] = every part of x's rows, side by side (k_valid features of x are given)."""
-        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
-        key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, 1,
-               self.size_k if k_valid is None else k_valid, 0, None, False, False)
-        input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
-        stream = self.stream()
-        ws = Workspace._live.get((self.device, stream))
-        if ws is None or not ws.holds(*needs):
-            ws = Workspace.get(self.device, stream, *needs)
-        ids_, units, u_ptr = self.part_ids, rows * self.count, ws.inputs_ptr
-        x_stride, y_stride, stride_zs = x.stride(0), y.stride(0), rows * self.size_n
-        self.input(input_grid, stream, key, input_fixed, (x, ids_, ws.inputs, units, x_stride),
-                   (x_ptr, ids_.data_ptr(), u_ptr, units, x_stride))
-        matmul(grid, stream, key, fixed, (ws.inputs, ids_, y, ws.partials, ws.counters, rows, y_stride, stride_zs),
-               (u_ptr, ids_.data_ptr(), y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs))
-
-
-def group_launch(parts, bias: torch.Tensor | None = None) -> GroupLaunch | None:
-    """One GroupLaunch for a fused layer's parts [(kernel, trellis, suh, svh, out_features)], or None where the
-    parts cannot share one grid (one part, different rates or codebooks, FMA one-row rates, separate
-    allocations): those keep a FusedLaunch per part."""
-    kernels = [part[0] for part in parts]
-    specs = {(k.spec.bits, k.spec.codebook, k.spec.size_k) for k in kernels}
-    if len(parts) < 2 or len(specs) != 1 or kernels[0].spec.bits in FMA_ONE_ROW_BITS:
-        return None
-    if sum(k.spec.size_n for k in kernels) // BLOCK_N > GROUP_MAX_BLOCKS:
-        return None
-    trellis0 = parts[0][1]
-    if any(p[1].untyped_storage().data_ptr() != trellis0.untyped_storage().data_ptr() or
-           (p[1].data_ptr() - trellis0.data_ptr()) % 4 for p in parts):
-        return None
-    return GroupLaunch([p[1:] for p in parts], kernels[0].spec.bits, kernels[0].spec.codebook, bias)
 
 
 class BoundLinear:
@@ -334,6 +246,8 @@ class BoundLinear:
         self.max_rows = MAX_ROWS
         group = None
         if all(kernel.backend == "triton" for kernel, *_ in self.parts):
+            from exl3local.kernels.bound_group import group_launch  # it builds on FusedLaunch, defined here
+
             group = group_launch(self.parts, bias)
         if group is not None:
             self.launches = [(group, 0, self.out_features)]

@@ -142,7 +142,7 @@ def test_tiled_rows_match_emulation(monkeypatch, make_layer, emulate, relative_e
 def test_tiled_path_serves_grouped_layers_up_to_its_row_limit(monkeypatch, relative_error, kernel_device):
     """A fused two-part layer (padding, trim, bias) at 20 rows runs as one grouped tiled grid, equal to the per-part
     launches; above EXL3LOCAL_TILED_MAX_ROWS the layer takes the reconstruct path, and so says path_for."""
-    from exl3local.kernels.bound import GroupLaunch
+    from exl3local.kernels.bound_group import GroupLaunch
     from exl3local.kernels.dispatch import KernelPath
 
     monkeypatch.setenv("EXL3LOCAL_TILED_MAX_ROWS", "32")
@@ -209,7 +209,7 @@ def test_grouped_parts_run_as_one_grid_and_match_the_per_part_launches(relative_
                                                                        splits):
     """q/k/v-like parts at one rate, laid out as the plugin lays them out (views of one flat arena, suh per part):
     one input transform and one matmul grid for the whole layer, padding, trim and bias as masks."""
-    from exl3local.kernels.bound import GroupLaunch
+    from exl3local.kernels.bound_group import GroupLaunch
 
     in_features, k, widths, outs = 200, 256, (384, 128, 128), (300, 128, 100)
     g = torch.Generator().manual_seed(21)
@@ -252,7 +252,7 @@ def test_parts_at_different_rates_keep_a_launch_each(make_layer, kernel_device):
 def test_very_wide_fused_layers_keep_a_launch_pair_per_part(kernel_device):
     """Above GROUP_MAX_BLOCKS column blocks in all (27B gate_up: measured slower as one grid) the parts stay
     separate; at or below it they share one grid."""
-    from exl3local.kernels.bound import GROUP_MAX_BLOCKS, GroupLaunch
+    from exl3local.kernels.bound_group import GROUP_MAX_BLOCKS, GroupLaunch
 
     def layer(n):
         words = reference.words_per_tile(4)

@@ -318,7 +318,7 @@ def test_legacy_packed_signs_are_refused_by_name(vllm_linear, config):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
 def test_forced_triton_layer_runs_its_bound_launches_and_matches_the_reference(monkeypatch, vllm_linear, config, tensors):
     """The path GPUs take: launches bound at load time; q/k/v at one rate in one arena run as one grouped grid."""
-    from exl3local.kernels.bound import GroupLaunch
+    from exl3local.kernels.bound_group import GroupLaunch
 
     monkeypatch.setenv("EXL3LOCAL_DISABLED_KERNELS", "CpuLinearKernel,TorchReferenceKernel")
     layer = qkv(vllm_linear, config)
