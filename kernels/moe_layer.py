@@ -37,10 +37,14 @@ GROUPED_MAX_TOKENS = 128
 MAX_UNITS_PER_LAUNCH = 32768
 PATHS = (KernelPath.MOE_DECODE, KernelPath.MOE_VERIFY, KernelPath.MOE_GROUPED, KernelPath.MOE_BATCHED)
 # Paths the grouped (token, expert) unit kernel (kernels/triton_moe.py) serves when Triton serves the layer:
-# all of them. Above GROUPED_MAX_TOKENS each unit still decodes its expert's weights on its own (no tiles of
-# expert-sorted tokens yet); the per-expert dense loop it replaced took 14.0 s per 35B-A3B 512-token step on
-# the H200 (docs/PERF.md "Model step").
+# all of them (the per-expert dense loop it replaced took 14.0 s per 35B-A3B 512-token step on the H200).
 TRITON_MOE_PATHS = PATHS
+# From this many units per expert on average (tokens·top_k / experts) the units are grouped by expert on the device
+# and each matmul program takes a tile of up to 16 units of one expert (each weight decoded once per tile, not once
+# per unit); below, one unit per program. H200, 35B-A3B step (docs/PERF.md "Session 8"): at 0.5 per expert (16
+# tokens) tiles ran 2 % slower (graph 19.47 vs 19.09 ms), at 2 (64 tokens) 1.55x faster (26.96 vs 41.86 ms);
+# between them unmeasured.
+TILES_MIN_UNITS_PER_EXPERT = 1.0
 
 
 def select_path(tokens: int) -> KernelPath:
@@ -118,9 +122,11 @@ class ExpertLayer:
                       bind_moe(self.w2_trellis, self.w2_suh, self.w2_svh, down.bits, down.codebook))
         for bound in self.bound:
             bound.reserve(VERIFY_MAX_TOKENS * 2 * self.top_k)
-        from exl3local.kernels.triton_moe import bind_combine
+        from exl3local.kernels.bound import MAX_ROWS
+        from exl3local.kernels.triton_moe import TileTable, bind_combine
 
         self.combine = bind_combine(self.bound[0], self.top_k)
+        self.tile_table = TileTable(E, MAX_ROWS, self.w13_trellis.device, like=self.bound[0])
 
     # -- views into the arenas
     def trellis(self, name: str, e: int) -> torch.Tensor:
@@ -172,7 +178,8 @@ class ExpertLayer:
 
     def grouped_units(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every (token, expert) unit at once, ids read on the device (no host sync), launches bound at load:
-        five launches in all. gate+up: one input transform and one matmul over the w13 stack (unit pairs, expert
+        five launches in all (six from TILES_MIN_UNITS_PER_EXPERT: the tile table, triton_moe.TileTable).
+        gate+up: one input transform and one matmul over the w13 stack (unit pairs, expert
         row 2·id + part, x unpadded in any float dtype); down: its input transform computes silu(gate) ⊙ up
         from those outputs (fp32); one combine kernel weights each token's units and sums them in j order.
         Returns (T, hidden) in x's dtype."""
@@ -188,10 +195,12 @@ class ExpertLayer:
         ids, weights = ids.contiguous(), weights.contiguous()
         if x.stride(-1) != 1:
             x = x.contiguous()
+        # one expert-sorted table serves both projections (gate/up tiles are the down tiles' pairs)
+        tiles = self.tile_table(ids) if units >= TILES_MIN_UNITS_PER_EXPERT * self.experts else None
         gu = torch.empty(2 * units, self.proj["gate"].size_n, dtype=torch.float32, device=x.device)
-        bound13.launch(x, gu, 2 * units, ids, x_div=2 * top_k, k_valid=x.shape[1], pairs=True)
+        bound13.launch(x, gu, 2 * units, ids, x_div=2 * top_k, k_valid=x.shape[1], pairs=True, tiles=tiles)
         y = torch.empty(units, self.proj["down"].size_n, dtype=torch.float32, device=x.device)
-        bound2.launch(gu, y, units, ids, glu=True)
+        bound2.launch(gu, y, units, ids, glu=True, tiles=tiles)
         return combine_units(y, weights, ids, x.shape[1], x.dtype, self.combine)
 
     def run(self, path: KernelPath, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -50,10 +50,12 @@ def had128_rows(v, BM: tl.constexpr):
 
 @triton.jit
 def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bias_ptr, y_ptr, stride_ym, n_out,
-                 HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, RING: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, RING: tl.constexpr, map_ptr=None, map_mul=1, map_add=0,
+                 ROWMAP: tl.constexpr = False):
     """y rows [row0, row0 + rows) of the 128-column block at col0 from the stored split partials (columns in
     ring order if RING, else natural), EPILOGUE_ROWS at a time (a whole 16-row tile at once needed ~100
-    registers and set the kernel's occupancy)."""
+    registers and set the kernel's occupancy). ROWMAP: the rows are positions into map_ptr, and position r's
+    partials and output are at row map[r]·map_mul + map_add (a grouped MoE tile's expert-sorted units)."""
     c = tl.arange(0, 128)
     if RING:
         cols = col0 + ring_cols(c)
@@ -65,6 +67,8 @@ def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bi
     for r0 in range(row0, row0 + rows, EPILOGUE_ROWS):
         r = r0 + tl.arange(0, EPILOGUE_ROWS)
         mask = (r < row0 + rows)[:, None]
+        if ROWMAP:
+            r = tl.load(map_ptr + r, mask=r < row0 + rows, other=0).to(tl.int64) * map_mul + map_add
         z_offs = r.to(tl.int64)[:, None] * size_n + (col0 + c)[None, :]
         acc = tl.load(z_ptr + z_offs, mask=mask, other=0.0, cache_modifier=".cg")
         for sp in range(1, splits):
@@ -82,7 +86,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                       KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
                       CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0,
-                      PAIRS: tl.constexpr = False, FLAT: tl.constexpr = True):
+                      PAIRS: tl.constexpr = False, FLAT: tl.constexpr = True, GROUPED: tl.constexpr = False):
     """y = H(u·Ŵ)⊙svh (+ bias) for BM rows of u (MoE: one unit in row 0) × 128 columns, one K split.
     u is (M, k) fp16, contiguous; y keeps the first n_out columns, rows stride_ym apart (a part of a fused
     layer writes its slice of the layer's output in place).
@@ -90,8 +94,14 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
     PARTS > 0: one grid over every part of a fused layer (q/k/v, gate/up; same rate and k). Column block b
     belongs to the part that parts_ptr's row b names (int64: trellis word offset from w_ptr, padded column
     start = svh offset, output column start, kept columns, tiles_n, part index, first block); u holds each
-    row's parts side by side (row m of part p is u row m·PARTS + p: bound.GroupLaunch's input transform),
+    row's parts side by side (row m of part p is u row m·PARTS + p: bound_group.GroupLaunch's input transform),
     tiles_n is the layer's total and n_out unused.
+
+    GROUPED (MoE, T > 4 tokens): one program per tile of up to BM units of one expert, so each weight is decoded
+    once per tile instead of once per unit. ids_ptr holds triton_moe.expert_tiles' int32 table: the units sorted
+    by expert (order), their sorted expert ids (skey), then each tile's first sorted position (starts; empty tiles
+    hold the unit count and do nothing). With PAIRS (gate/up of the stacked w13 arena, M = 2·units) program row
+    pid_m is tile pid_m // 2's part pid_m % 2: unit rows 2·order + part through expert row 2·e + part.
 
     FLAT: the trellis words loaded through flat indices (triton_decode.ring_tiles), lane-linear whatever the rate."""
     BNT: tl.constexpr = 8
@@ -132,7 +142,26 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                          local_n * 128, svh_ptr + part_cols, bias_ptr + y_col, y_ptr + y_col, stride_ym,
                          tl.load(row + 3), HAS_BIAS, SCALE, True)
         return
-    if HAS_IDS:  # one (token, expert) unit per program: its expert's trellis, svh, bias
+    steps = steps_per_split
+    part = 0
+    if GROUPED:
+        units = M // 2 if PAIRS else M
+        if PAIRS:
+            part = pid_m % 2
+        p0 = tl.load(ids_ptr + 2 * units + (pid_m // 2 if PAIRS else pid_m))
+        e = tl.load(ids_ptr + units + tl.minimum(p0, units - 1))
+        p = p0 + lane
+        # a tile ends where its expert's run does (the next tile starts there) or after BM units
+        mask_m = (p < units) & (tl.load(ids_ptr + units + p, mask=p < units, other=-1) == e)
+        rm = tl.load(ids_ptr + p, mask=mask_m, other=0) * (2 if PAIRS else 1) + part
+        e = e.to(tl.int64) * (2 if PAIRS else 1) + part
+        w_base = w_ptr + e * expert_words
+        svh_base = svh_ptr + e * size_n
+        bias_base = bias_ptr + e * size_n
+        row0 = p0
+        rows = tl.sum(mask_m.to(tl.int32), axis=0)
+        steps = tl.where(rows > 0, steps_per_split, 0)  # empty tiles (the grid's upper bound) skip the K loop
+    elif HAS_IDS:  # one (token, expert) unit per program: its expert's trellis, svh, bias
         e = unit_expert(ids_ptr, pid_m, True, PAIRS)
         w_base = w_ptr + e * expert_words
         svh_base = svh_ptr + e * size_n
@@ -149,7 +178,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         mask_m = rm < M
         row0 = pid_m * BM
         rows = tl.minimum(M - row0, BM)
-    acc = ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, pid_s * steps_per_split * KT, steps_per_split,
+    acc = ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, pid_s * steps_per_split * KT, steps,
                    pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT, FLAT)
     # Every split stores its partial; the last one to arrive (or the only one) finishes the block.
     c = tl.arange(0, 128)
@@ -162,7 +191,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == splits - 1:
             tl.store(lock, 0)
             finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, pid_n * 128, svh_base, bias_base, y_ptr,
-                         stride_ym, n_out, HAS_BIAS, SCALE, True)
+                         stride_ym, n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED)
     else:
         finish_block(z_ptr, stride_zs, 1, row0, rows, size_n, pid_n * 128, svh_base, bias_base, y_ptr, stride_ym,
-                     n_out, HAS_BIAS, SCALE, True)
+                     n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED)

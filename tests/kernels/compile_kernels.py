@@ -90,6 +90,9 @@ def main() -> None:
                 {"x_ptr": "*fp32", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
                  "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32", "k_valid": "i32"},
                 dict(HAS_IDS=True, SCALE=HADAMARD_SCALE, BM=64, PAIRS=True, GLU=True))
+    compile_one(triton_moe._tile_table_kernel, {"ids_ptr": "*i64", "cnt_ptr": "*i32", "out_ptr": "*i32", "units": "i32",
+                                                "tiles": "i32", "experts": "i32"},
+                dict(TILE=16, EB=512, BLOCK=triton_moe.TABLE_BLOCK))
     compile_one(triton_moe._combine_kernel, {"y_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
                                              "size_n": "i32", "n_out": "i32"},
                 dict(TOP_K=8, BN=triton_moe.COMBINE_BLOCK))
@@ -108,13 +111,18 @@ def main() -> None:
         for has_ids, split, parts, flat in variants + (((False, True, 0, False),) if bits == 3 else ()):
             compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
                         dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt,
-                             PARTS=parts, PAIRS=has_ids, FLAT=flat), num_warps=warps, num_stages=1)
+                             PARTS=parts, PAIRS=has_ids, FLAT=flat, GROUPED=False), num_warps=warps, num_stages=1)
+        # MoE over expert-sorted tiles (ids_ptr is then the int32 tile table), gate/up pairs and down
+        for pairs in (True, False):
+            compile_one(triton_fused.exl3_fused_kernel, dict(FUSED_ARGS, ids_ptr="*i32"),
+                        dict(rate, HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt,
+                             PARTS=0, PAIRS=pairs, FLAT=True, GROUPED=True), num_warps=warps, num_stages=1)
         # the tiled path (more than 16 rows): 64-row tiles, its own KT and warps; grouped parts once
         tile_kt, tile_warps = triton_gemv.tiled_config(bits)
         for parts in ((0, 3) if bits == 4 else (0,)):
             compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
                         dict(rate, HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE,
-                             BM=triton_gemv.TILE_ROWS, KT=tile_kt, PARTS=parts, PAIRS=False, FLAT=True),
+                             BM=triton_gemv.TILE_ROWS, KT=tile_kt, PARTS=parts, PAIRS=False, FLAT=True, GROUPED=False),
                         num_warps=tile_warps, num_stages=1)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,

@@ -9,7 +9,7 @@ import torch
 
 from exl3local.kernels import reference
 from exl3local.kernels.bound import bind_moe
-from exl3local.kernels.triton_moe import moe_decode, moe_units
+from exl3local.kernels.triton_moe import expert_tiles, moe_decode, moe_units
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -46,6 +46,26 @@ def test_grouped_units_match_per_expert_reference(make_layer, relative_error, ke
             assert relative_error(y[t, j].cpu(), expected[t, j]) < 1e-3, (t, j)  # u is fp16 (~2e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_expert_sorted_tiles_match_the_per_unit_reference(make_layer, relative_error, kernel_device, splits):
+    """The grouped GEMM (T > 4 tokens): units grouped by expert on the device, tiles of up to 16 units of one expert.
+    Expert 0 has 17 units (two tiles), expert 2 18, expert 1 one; remote units (-1) get no tile and stay unread."""
+    trellis, suh, svh = make_layer(128, 128, 4, "mul1", seed=12, experts=3)
+    ids = torch.tensor([[0, 2]] * 17 + [[-1, 1], [2, -1]], dtype=torch.int32)
+    table, tiles = expert_tiles(ids.to(kernel_device), 3, 16)
+    # grouped: 2 remote, 17 x expert 0, 1 x expert 1, 18 x expert 2; starts past the 5 tiles hold the unit count
+    assert tiles == 6 and table[2 * 38:2 * 38 + tiles].tolist() == [2, 18, 19, 20, 36, 38]
+    assert sorted(table[:2].tolist()) == [34, 37] and table[38:40].tolist() == [-1, -1]  # remote units: no tile
+    x = torch.randn(19, 128, generator=torch.Generator().manual_seed(12)).to(kernel_device)
+    bound = bind_moe(trellis, suh, svh, 4, "mul1")
+    bound.splits[tiles] = (splits, bound.k_steps // splits)
+    y = moe_units(bound, x, ids.to(kernel_device), (table, tiles))
+    local = ids.clamp(min=0)
+    expected = _per_unit_reference(x.cpu(), trellis.cpu(), suh.cpu(), svh.cpu(), 4, "mul1", local, None, False)
+    for t, j in (ids >= 0).nonzero().tolist():
+        assert relative_error(y[t, j].cpu(), expected[t, j]) < 1e-3, (t, j)  # u is fp16
+
+
 def test_changing_ids_on_device_reroutes_without_host_changes(make_layer, kernel_device):
     trellis, suh, svh = make_layer(128, 128, 4, "3inst", seed=8, experts=3)
     x = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)).to(kernel_device)
@@ -77,10 +97,12 @@ def test_row_count_must_match_tokens_or_units(make_layer, kernel_device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_expert_layer_units_fuse_the_glue_and_match_the_reference(relative_error, kernel_device, dtype):
+def test_expert_layer_units_fuse_the_glue_and_match_the_reference(monkeypatch, relative_error, kernel_device, dtype):
     """ExpertLayer's five-launch units path: gate/up pairs from ids (no stacked id tensor), silu(gate)·up inside
     the down projection's input transform, the weighted sum in one combine kernel; x unpadded (100 of 128
-    features), a remote expert (-1) contributes nothing, several chunks when the grid would be too tall."""
+    features), a remote expert (-1) contributes nothing, several chunks when the grid would be too tall. 6 units
+    over 3 experts take tiles of expert-grouped units (gate/up tiles as pairs of the down tiles); the one-token
+    chunks, and the call with tiles turned off, one unit per program."""
     from exl3local.kernels import moe_layer
     from exl3local.kernels.moe_layer import ExpertLayer
 
@@ -126,3 +148,7 @@ def test_expert_layer_units_fuse_the_glue_and_match_the_reference(relative_error
     finally:
         moe_layer.MAX_UNITS_PER_LAUNCH = old
     assert relative_error(chunked, out) < 1e-5  # fewer units per launch: another split-K, fp32 order only
+    monkeypatch.setattr(moe_layer, "TILES_MIN_UNITS_PER_EXPERT", float("inf"))
+    per_unit = layer.run(moe_layer.select_path(tokens), x.to(kernel_device), weights.to(kernel_device),
+                         ids.to(kernel_device))
+    assert relative_error(per_unit.cpu(), expected) < (1e-3 if dtype == torch.float32 else 1e-2)
