@@ -7,10 +7,13 @@ tensors on every side, µs per call (eager wall clock over back-to-back calls; C
     groups  one GroupLaunch per fused layer vs a launch pair per part (issue 21 item 5; M = 1, 4, 16)
     flat    the decode-in-registers path (M = 1, 16) with the trellis words loaded through flat indices (lane-linear
             at every rate, the default) vs as [KT, BNT, 32/G] tensors (the compiler's choice of lanes), graph µs
+    config  the decode path at M = 1, 4 per 27B linear group with other (KT, warps, register cap) than the served
+            ones (issue 21 item 2: occupancy and instructions per weight), graph µs and error vs the served config
 
     python3 -P bench/layers.py tiled --out $OUT        # on the H200 (bench/model-step-device.sh)
     python3 -P bench/layers.py groups --out $OUT
     python3 -P bench/layers.py flat --bits 3 --out $OUT
+    python3 -P bench/layers.py config --rows 1,4 --out $OUT
 """
 
 from __future__ import annotations
@@ -139,10 +142,64 @@ def bench_flat(rows_list, bits: float, codebook: str, deadline: float = 0) -> li
     return out
 
 
+# (KT, warps, maxnreg): the served config first (triton_gemv.ring_dot_config; no register cap)
+CONFIGS = ((None, None, None), (None, 8, None), (2, 4, None), (2, 8, None), (None, None, 64), (None, None, 96))
+
+
+def set_config(launch, kt: int, warps: int, maxnreg: int | None) -> None:
+    """Rebind a FusedLaunch/GroupLaunch's decode matmul with KT tile rows per step, `warps` warps and a register
+    cap (CUDA's maxnreg; None: the compiler's choice)."""
+    from exl3local.kernels.bound import FUSED_VARYING
+    from exl3local.kernels.launcher import DirectLaunch
+    from exl3local.kernels.triton_fused import exl3_fused_kernel
+
+    options = dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
+    launch.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, launch.fused.hooks is None, **options)
+    launch.k_steps = launch.size_k // 16 // kt
+    launch.fused_fixed.update(KT=kt, k_steps=launch.k_steps)
+    launch.splits.clear()
+    launch.replan()
+
+
+def bench_config(rows_list, bits: float, codebook: str, deadline: float = 0) -> list[dict]:
+    from exl3local.kernels.triton_gemv import ring_dot_config
+
+    _, served_kt, served_warps = ring_dot_config(bits)
+    gen = torch.Generator(device=DEVICE[0]).manual_seed(8)
+    out = []
+    for (k, parts), label in linear_groups(("27b",)).items():
+        if deadline and time.time() > deadline:
+            break
+        lin = Linear(gen, k, list(parts), bits, codebook)
+        launches = [launch for launch, _, _ in lin.ours.launches]
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen, device=DEVICE[0]).half()
+            row = dict(kind="config", shape=label, k=k, parts=list(parts), rows=rows, bits=bits)
+            served = None
+            for kt, warps, maxnreg in CONFIGS:
+                kt, warps = kt or served_kt, warps or served_warps
+                name = f"kt{kt}_w{warps}" + (f"_r{maxnreg}" if maxnreg else "")
+                try:
+                    for launch in launches:
+                        set_config(launch, kt, warps, maxnreg)
+                    row[name] = graph_us(lambda: lin.ours(x), reps=100)
+                    y = lin.ours(x)
+                    served = y if served is None else served
+                    row[name + "_rel"] = rel(y, served)
+                except Exception as exc:  # noqa: BLE001 -- a config that does not compile is a result too
+                    row[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            for launch in launches:
+                set_config(launch, served_kt, served_warps, None)
+            out.append(row)
+            log(json.dumps(row))
+    return out
+
+
 def bench_groups(rows_list, bits: float, codebook: str) -> list[dict]:
     """Each distinct fused linear of both models, one GroupLaunch (2 launches) vs a FusedLaunch per part
     (2 per part, the arrangement before GroupLaunch), same tensors, µs per call eager and graph."""
-    from exl3local.kernels.bound import FusedLaunch, GroupLaunch
+    from exl3local.kernels.bound import FusedLaunch
+    from exl3local.kernels.bound_group import GroupLaunch
 
     gen = torch.Generator(device=DEVICE[0]).manual_seed(3)
     out = []
@@ -150,7 +207,7 @@ def bench_groups(rows_list, bits: float, codebook: str) -> list[dict]:
         lin = Linear(gen, k, list(parts), bits, codebook)
         grouped = lin.ours
         if not isinstance(grouped.launches[0][0], GroupLaunch):
-            continue  # wider than bound.GROUP_MAX_BLOCKS: per part anyway
+            continue  # wider than bound_group.GROUP_MAX_BLOCKS: per part anyway
         split = BoundLinear(grouped.parts, k)
         split.launches, start = [], 0
         for _, t, su, sv, n in grouped.parts:
@@ -175,7 +232,7 @@ def bench_groups(rows_list, bits: float, codebook: str) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("tiled", "groups", "flat"))
+    parser.add_argument("what", choices=("tiled", "groups", "flat", "config"))
     parser.add_argument("--rows", default=None, help="comma-separated row counts")
     parser.add_argument("--sweep-rows", type=int, default=64)
     parser.add_argument("--bits", type=float, default=4)
@@ -189,6 +246,9 @@ def main() -> int:
         return 2
     if args.what == "groups":
         results = bench_groups([int(r) for r in (args.rows or "1,4,16").split(",")], args.bits, args.codebook)
+    elif args.what == "config":
+        results = bench_config([int(r) for r in (args.rows or "1,4").split(",")], args.bits, args.codebook,
+                               args.deadline)
     elif args.what == "flat":
         results = bench_flat([int(r) for r in (args.rows or "1,16").split(",")], args.bits, args.codebook,
                              args.deadline)

@@ -8,6 +8,8 @@
 #     models at M = 64, 32, 128 with and without it (bench/model_step.py --tiled 128).
 #   PLAN=step: every row count, ours + exllamav3's default, then exllamav3 with EXL3_INT8_GEMV=0 in a second
 #     process (it reads the variable once per process).
+#   PLAN=moe: the GPU tests; 35B steps with the MoE over expert-sorted tiles vs one unit per program (--units) vs
+#     exllamav3 at ROWS (default 64,512,16,4096,4); then the 27B decode configs (bench/layers.py config, M = 1, 4).
 set -u
 source bench/device-setup.sh
 [ -f /tmp/ext/exllamav3_ext.so ] || { echo "carry .device-carry/ext/exllamav3_ext.so.part-*"; exit 1; }
@@ -25,6 +27,13 @@ if [ "${PLAN:-tiled}" = tiled ]; then
   echo "layers done at +$(( $(date +%s) - start )) s"
   run model_step.py --tiled 128 --tag model_step_tiled --rows ${ROWS:-64,32,128} --deadline $(( start + ${TOTAL_SECONDS:-540} )) 2>&1 \
     | tee "$OUT/model_step_tiled.log" | grep -v '^{'
+elif [ "$PLAN" = moe ]; then
+  tests ${TESTS:-"$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_bound.py \
+    "$REPO"/tests/kernels/test_triton_gpu.py}
+  run model_step.py --models 35b-a3b --units --rows ${ROWS:-64,512,16,4096,4} --tag model_step_moe \
+    --deadline $(( start + ${BENCH_SECONDS:-420} )) 2>&1 | tee "$OUT/model_step_moe.log" | grep -v '^{'
+  echo "moe steps done at +$(( $(date +%s) - start )) s"
+  run layers.py config --rows 1,4 --deadline $(( start + ${TOTAL_SECONDS:-530} )) 2>&1 | tee "$OUT/layers_config.log"
 else
   tests ${TESTS:-"$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_triton_moe.py \
     "$REPO"/tests/kernels/test_bound.py}

@@ -23,6 +23,7 @@ tier), else per expert with LinearEXL3 over tokens binned on the host.
 
     python3 -P bench/model_step.py --out $OUT                         # on the H200 (bench/model-step-device.sh)
     python3 -P bench/model_step.py --tiled 128 --rows 32,64,128       # + our linears on the tiled path (17+ rows)
+    python3 -P bench/model_step.py --units --models 35b-a3b           # + our MoE one unit per program (no tiles)
     TRITON_INTERPRET=1 python -P bench/model_step.py --smoke          # CPU, tiny MoE model, ours only (CI smoke)
 """
 
@@ -42,6 +43,7 @@ from exl3_side import MGEMM_MAX_TOKENS, Exl3Side  # noqa: E402
 from step_timing import DEVICE, GRAPH_MAX_ROWS, log, measure, sync  # noqa: E402
 
 from exl3local.kernels import KernelSpec, prepare, reference  # noqa: E402
+from exl3local.kernels import moe_layer  # noqa: E402
 from exl3local.kernels.bound import BoundLinear, tiled_max_rows  # noqa: E402
 from exl3local.kernels.moe_layer import ExpertLayer, path_refusal, select_path  # noqa: E402
 
@@ -224,6 +226,23 @@ def runner(ops):
     return step
 
 
+def untiled(step):
+    """step (a runner) with our MoE on one unit per program at every token count (the path before expert-sorted
+    tiles), op by op too (host_us)."""
+    def patched(fn):
+        def run():
+            old, moe_layer.TILES_MIN_UNITS_PER_EXPERT = moe_layer.TILES_MIN_UNITS_PER_EXPERT, float("inf")
+            try:
+                fn()
+            finally:
+                moe_layer.TILES_MIN_UNITS_PER_EXPERT = old
+        return run
+
+    run = patched(step)
+    run.ops = [patched(op) for op in step.ops]
+    return run
+
+
 def agreement(cfg, layers, rows: int) -> dict:
     """Relative difference ours vs exllamav3 per op kind on the first GDN and attention layers (same inputs)."""
     gen = torch.Generator(device=DEVICE[0]).manual_seed(7)
@@ -262,6 +281,8 @@ def main() -> int:
     parser.add_argument("--groups", action="store_true", help="only: fused layers grouped vs per part (GPU)")
     parser.add_argument("--tiled", type=int, default=0, metavar="ROWS",
                         help="also time our linears on the tiled path up to ROWS rows (ours_tiled; rows > 16)")
+    parser.add_argument("--units", action="store_true",
+                        help="also time our MoE one unit per program where it would take tiles (ours_units)")
     args = parser.parse_args()
     TILED[0] = args.tiled
     if args.smoke:
@@ -308,6 +329,9 @@ def main() -> int:
                     row["ours"] = measure(ours, rows, not args.no_graph)
                     if 16 < rows <= TILED[0]:
                         row["ours_tiled"] = measure(tiled, rows, not args.no_graph)
+                    if args.units and "experts" in cfg and \
+                            rows * cfg["top_k"] >= moe_layer.TILES_MIN_UNITS_PER_EXPERT * cfg["experts"]:
+                        row["ours_units"] = measure(untiled(ours), rows, not args.no_graph)
                 if exl3 is not None and exl3.error is None and (rows in (1, 4, 64) or 16 < rows <= TILED[0]):
                     try:
                         row["rel_ours_vs_exl3"] = agreement(cfg, layers, rows)
@@ -348,8 +372,9 @@ def table(results: list[dict]) -> None:
         o, e = r.get("ours", {}), r.get("exl3", {})
         log(f"{r['model']:9s} {r['rows']:5d} {cells(o) if o else '-':>40s} | {cells(e) if e else '-':>40s} | "
             f"{ratio(o, e)}")
-        if "ours_tiled" in r:
-            log(f"{'  tiled':15s} {cells(r['ours_tiled']):>40s} | {'':40s} | {ratio(r['ours_tiled'], e)}")
+        for variant in ("tiled", "units"):
+            if f"ours_{variant}" in r:
+                log(f"{'  ' + variant:15s} {cells(r[f'ours_{variant}']):>40s} | {'':40s} | {ratio(r[f'ours_{variant}'], e)}")
 
 
 if __name__ == "__main__":
