@@ -26,28 +26,31 @@ def _layer(size_k, size_n, bits, codebook, seed=0):
     return trellis, suh, svh
 
 
-@pytest.mark.parametrize("tier", TIERS)
+# Every tier inside one test against one reference result: the reference decoder is most of these tests' time.
 @pytest.mark.parametrize("codebook,bits", RATES)
-def test_decode_is_bit_exact(tier, codebook, bits):
+def test_decode_is_bit_exact(codebook, bits):
     trellis, suh, svh = _layer(256, 384, bits, codebook, seed=int(2 * bits))
-    got = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier).decode()
     expected = reference.decode_trellis(trellis, bits, codebook).float()
-    assert torch.equal(got, expected), f"{(got != expected).sum().item()} weights differ"
+    for tier in TIERS:
+        got = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier).decode()
+        assert torch.equal(got, expected), f"{tier}: {(got != expected).sum().item()} weights differ"
 
 
-@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3), ("mcg", 8), ("mul1", 2.5)])
 @pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1])
-def test_both_paths_match_the_reference(tier, codebook, bits, rows):
+def test_both_paths_match_the_reference(codebook, bits, rows):
     trellis, suh, svh = _layer(384, 256, bits, codebook, seed=rows)
-    lin = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier)
     x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(1))
     expected = x.double() @ reference.reconstruct(trellis, suh, svh, bits, codebook).double()
-    got = lin(x)
-    assert lin.path_for(rows) == ("gemv" if rows <= ops.GEMV_MAX_ROWS else "gemm")
-    # fp32 accumulation over k = 384 terms vs an fp64 product with the fp16-rounded W: W's rounding dominates.
-    torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
-    torch.testing.assert_close(got, reference.linear(x, trellis, suh, svh, bits, codebook), rtol=1e-5, atol=1e-5)
+    same_steps = reference.linear(x, trellis, suh, svh, bits, codebook)
+    for tier in TIERS:
+        lin = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier)
+        got = lin(x)
+        assert lin.path_for(rows) == ("gemv" if rows <= ops.GEMV_MAX_ROWS else "gemm")
+        # fp32 accumulation over k = 384 terms vs an fp64 product with the fp16-rounded W: W's rounding dominates.
+        torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item(),
+                                   msg=lambda m, tier=tier: f"{tier}: {m}")
+        torch.testing.assert_close(got, same_steps, rtol=1e-5, atol=1e-5, msg=lambda m, tier=tier: f"{tier}: {m}")
 
 
 def test_gemm_path_in_row_passes_and_strips_with_bias(monkeypatch):
