@@ -168,7 +168,9 @@ def child(model: str, out: str) -> None:
     torch.zeros(1)  # torch's allocator and threads up before the baseline
     before, before_parts = rss(), rss_parts()
     start = time.perf_counter()
-    llm = LLM(model, max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=32 << 20,
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    # 8 MiB of KV per layer: 32 MiB at 4 layers (sessions 6-7), and always room for one 1024-token sequence.
+    llm = LLM(model, max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=(8 << 20) * layers,
               skip_tokenizer_init=True, enable_prefix_caching=False, disable_log_stats=True, seed=0)
     load_s = time.perf_counter() - start
     loaded = rss()
