@@ -40,8 +40,8 @@ TTFT_BUDGET_MS = 5.0
 DECODE_BUDGET = 0.98
 
 
-async def one(client: httpx.AsyncClient, model: str, tokens: int) -> tuple[float, float]:
-    """(TTFT s, decode tok/s) of one streaming completion."""
+async def one(client: httpx.AsyncClient, model: str, tokens: int) -> tuple[float, float, int]:
+    """(TTFT s, decode tok/s, SSE events) of one streaming completion."""
     body = {"model": model, "prompt": "def fibonacci(n):", "max_tokens": tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     t0 = time.perf_counter()
@@ -57,7 +57,7 @@ async def one(client: httpx.AsyncClient, model: str, tokens: int) -> tuple[float
             first = first or last
             n += 1
     assert first is not None and last is not None and n > 1
-    return first - t0, (n - 1) / (last - first)
+    return first - t0, (n - 1) / (last - first), n
 
 
 def cpu_s(proc: psutil.Process) -> float:
@@ -90,18 +90,21 @@ def summary(cells: dict[str, list[dict]]) -> dict:
     out: dict = {}
     for path, rounds in cells.items():
         rows = [r for c in rounds for r in c["rows"]]
-        out[path] = {"ttft_ms": [1000 * v for v in quartiles([t for t, _ in rows])],
-                     "decode": quartiles([s for _, s in rows]), "requests": len(rows)}
+        out[path] = {"ttft_ms": [1000 * v for v in quartiles([t for t, _, _ in rows])],
+                     "decode": quartiles([s for _, s, _ in rows]), "requests": len(rows),
+                     "events": sum(n for _, _, n in rows)}
     pairs = list(zip(cells["front"], cells["direct"], strict=True))
-    diff = [1000 * (statistics.median(t for t, _ in f["rows"]) - statistics.median(t for t, _ in d["rows"]))
+    diff = [1000 * (statistics.median(r[0] for r in f["rows"]) - statistics.median(r[0] for r in d["rows"]))
             for f, d in pairs]
-    ratio = [statistics.median(s for _, s in f["rows"]) / statistics.median(s for _, s in d["rows"]) for f, d in pairs]
+    ratio = [statistics.median(r[1] for r in f["rows"]) / statistics.median(r[1] for r in d["rows"]) for f, d in pairs]
     out["ttft_diff_ms"] = (statistics.median(diff), *ci95(diff))
     out["decode_ratio"] = (statistics.median(ratio), *ci95(ratio))
     idle_rate = sum(c["cpu_s"] for c in cells["direct"]) / sum(c["wall_s"] for c in cells["direct"])
     front = cells["front"]
     busy = sum(c["cpu_s"] for c in front) - idle_rate * sum(c["wall_s"] for c in front)
     out["cpu_ms_per_request"] = 1000 * busy / out["front"]["requests"]
+    # vLLM sends fewer, fuller SSE events when its API server lags (load): per event compares across runs
+    out["cpu_ms_per_event"] = 1000 * busy / out["front"]["events"]
     out["idle_cpu_ms_per_s"] = 1000 * idle_rate
     return out
 
@@ -148,7 +151,8 @@ def report(res: dict, head: str) -> None:
               f"{verdict(tl, th, TTFT_BUDGET_MS, below=True)} (budget +{TTFT_BUDGET_MS:g} ms); "
               f"decode {r:.3f}x (95% {rl:.3f}..{rh:.3f}): {verdict(rl, rh, DECODE_BUDGET, below=False)} "
               f"(budget >= {DECODE_BUDGET}x)\n"
-              f"  daemon CPU {s['cpu_ms_per_request']:.1f} ms per request through the front "
+              f"  daemon CPU {s['cpu_ms_per_request']:.1f} ms per request, {s['cpu_ms_per_event']:.2f} ms per SSE "
+              f"event ({f['events'] / f['requests']:.0f} per request) through the front "
               f"(idle {s['idle_cpu_ms_per_s']:.1f} ms/s subtracted)")
 
 
