@@ -28,8 +28,8 @@ def counters_clear() -> bool:
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 2), ("mcg", 3), ("mul1", 2.5)])
 def test_fused_matches_emulation_with_and_without_split_k(make_layer, emulate, relative_error, kernel_device,
                                                           codebook, bits, splits):
-    trellis, suh, svh = make_layer(256, 256, bits, codebook, seed=3)
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).to(kernel_device)
+    trellis, suh, svh = make_layer(128, 256, bits, codebook, seed=3)  # small: the interpreter's time grows with K·N
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).to(kernel_device)
     launch = FusedLaunch(trellis, suh, svh, bits, codebook)
     launch.splits[1] = (splits, launch.k_steps // splits)
     y = torch.empty(3, 256, device=kernel_device)
@@ -88,19 +88,19 @@ def test_one_row_at_fma_rates_finishes_in_the_fma_kernel(make_layer, emulate, re
 
 
 def test_fused_layer_pads_trims_and_adds_bias(make_layer, relative_error, kernel_device):
-    """A q/k/v-like layer: three parts with their own suh and bits share x (180 of 256 features given),
+    """A q/k/v-like layer: three parts with their own suh and bits share x (100 of 128 features given),
     each keeps fewer columns than it stores, the bias covers the kept columns."""
-    in_features = 180
-    specs = [("mul1", 4, 100), ("3inst", 3, 256), ("mcg", 2, 60)]
+    in_features, k = 100, 128
+    specs = [("mul1", 4, 128, 100), ("3inst", 3, 256, 256), ("mcg", 2, 128, 60)]
     g = torch.Generator().manual_seed(5)
     x = torch.randn(5, in_features, generator=g).to(kernel_device)
     bias = torch.randn(sum(out for *_, out in specs), generator=g).to(kernel_device)
     parts, expected = [], []
-    for i, (codebook, bits, out) in enumerate(specs):
-        trellis, suh, svh = make_layer(256, 256, bits, codebook, seed=10 + i)
-        kernel = prepare(KernelSpec(256, 256, bits, codebook, torch.float32), kernel_device, "triton")
+    for i, (codebook, bits, n, out) in enumerate(specs):
+        trellis, suh, svh = make_layer(k, n, bits, codebook, seed=10 + i)
+        kernel = prepare(KernelSpec(k, n, bits, codebook, torch.float32), kernel_device, "triton")
         parts.append((kernel, trellis, suh, svh, out))
-        padded = torch.nn.functional.pad(x, (0, 256 - in_features))
+        padded = torch.nn.functional.pad(x, (0, k - in_features))
         expected.append(reference.linear(padded.double(), trellis, suh, svh, bits, codebook)[:, :out])
     expected = torch.cat(expected, -1) + bias.double()
     layer = BoundLinear(parts, in_features, bias)
@@ -129,8 +129,8 @@ def test_tiled_rows_match_emulation(monkeypatch, make_layer, emulate, relative_e
     from exl3local.kernels.triton_gemv import TILE_ROWS
 
     monkeypatch.setenv("EXL3LOCAL_TILED_MAX_ROWS", "128")
-    trellis, suh, svh = make_layer(256, 256, bits, codebook, seed=3)
-    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(4)).to(kernel_device)
+    trellis, suh, svh = make_layer(128, 256, bits, codebook, seed=3)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(4)).to(kernel_device)
     launch = FusedLaunch(trellis, suh, svh, bits, codebook)
     launch.tiled_splits[-(-rows // TILE_ROWS)] = (splits, launch.tiled_fixed["k_steps"] // splits)
     y = torch.empty(rows, 256, device=kernel_device)
@@ -178,10 +178,10 @@ def test_tiled_path_serves_grouped_layers_up_to_its_row_limit(monkeypatch, relat
 
 
 def test_bound_moe_projection_reroutes_by_device_ids(make_layer, relative_error, kernel_device):
-    trellis, suh, svh = make_layer(256, 128, 4, "mul1", seed=7, experts=4)
+    trellis, suh, svh = make_layer(128, 128, 4, "mul1", seed=7, experts=4)
     bound = bind_moe(trellis, suh, svh, 4, "mul1")
     bound.splits[4] = (2, bound.k_steps // 2)  # 4 units: split-K with one counter per unit and column block
-    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(7)).to(kernel_device)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(7)).to(kernel_device)
     ids = torch.tensor([[3, 0], [1, 3]], device=kernel_device)
     y = moe_units(bound, x, ids)
     for t in range(2):
@@ -211,7 +211,7 @@ def test_grouped_parts_run_as_one_grid_and_match_the_per_part_launches(relative_
     one input transform and one matmul grid for the whole layer, padding, trim and bias as masks."""
     from exl3local.kernels.bound_group import GroupLaunch
 
-    in_features, k, widths, outs = 200, 256, (384, 128, 128), (300, 128, 100)
+    in_features, k, widths, outs = 100, 128, (256, 128, 128), (200, 128, 100)
     g = torch.Generator().manual_seed(21)
     words = reference.words_per_tile(bits)
     sizes = [(k // 16) * (n // 16) * words for n in widths]
