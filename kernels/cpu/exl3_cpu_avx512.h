@@ -129,6 +129,30 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
     std::memset(acc, 0, sizeof(float) * m * CHUNK_TILES * POSITIONS);
     const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
     const int chunk_bytes = CHUNK_TILES * words16 * 2;
+    if (m == 1) {  // decode: two tile rows per accumulator load/store (tiles_k is a multiple of 8), group by group
+        for (int tk = 0; tk < tiles_k; tk += 2) {
+            for (int ahead = tk + 4; ahead < tk + 6 && ahead < tiles_k; ++ahead) {
+                const char* pf = (const char*)(col0 + (size_t)ahead * row_words);
+                for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+            }
+            const __m512 u0 = _mm512_loadu_ps(u + 16 * tk), u1 = _mm512_loadu_ps(u + 16 * tk + 16);
+            const int16_t* row0 = col0 + (size_t)tk * row_words;
+            const int16_t* row1 = row0 + row_words;
+            for (int gi = 0; gi < 16; ++gi) {
+                const GroupView view(g, gi);
+                const __m512 ug0 = _mm512_permutexvar_ps(g.urow[gi], u0), ug1 = _mm512_permutexvar_ps(g.urow[gi], u1);
+#pragma GCC unroll 8
+                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+                    float* a = acc + ct * POSITIONS + 16 * gi;
+                    const __m512 w0 = decode16<CB>(view.states((const uint32_t*)(row0 + (size_t)ct * words16), r.words32));
+                    const __m512 w1 = decode16<CB>(view.states((const uint32_t*)(row1 + (size_t)ct * words16), r.words32));
+                    _mm512_store_ps(a, _mm512_fmadd_ps(ug1, w1, _mm512_fmadd_ps(ug0, w0, _mm512_load_ps(a))));
+                }
+            }
+        }
+        finish_block(acc, svh + c * 128, y + c * 128);
+        return;
+    }
     for (int tk = 0; tk < tiles_k; ++tk) {
         if (tk + 4 < tiles_k) {  // rows of a chunk are n*K bytes apart: prefetch a few rows ahead
             const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);
@@ -139,19 +163,6 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
             for (int gi = 0; gi < 16; ++gi) ue[mi * 16 + gi] = _mm512_permutexvar_ps(g.urow[gi], ut);
         }
         const int16_t* row = col0 + (size_t)tk * row_words;
-        if (m == 1) {  // decode: group by group, each over the chunk's tiles (its controls stay in registers)
-            for (int gi = 0; gi < 16; ++gi) {
-                const GroupView view(g, gi);
-                const __m512 ug = ue[gi];
-#pragma GCC unroll 8
-                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
-                    float* a = acc + ct * POSITIONS + 16 * gi;
-                    const __m512 w = decode16<CB>(view.states((const uint32_t*)(row + (size_t)ct * words16), r.words32));
-                    _mm512_store_ps(a, _mm512_fmadd_ps(ug, w, _mm512_load_ps(a)));
-                }
-            }
-            continue;
-        }
         for (int ct = 0; ct < CHUNK_TILES; ++ct) {
             const uint32_t* U = (const uint32_t*)(row + (size_t)ct * words16);
             float* a = acc + ct * POSITIONS;
