@@ -102,28 +102,36 @@ def main() -> None:
     compile_one(triton_gemv.exl3_ring_dot_kernel, MATMUL_ARGS,
                 dict(triton_decode.rate_constants(3, "mcg"), HAS_IDS=True, BM=16, BNT=block_nt, KT=block_kt),
                 num_warps=warps)
-    # one rate per super-lane width G (1, 2, 4, 8) and every codebook
-    for codebook, bits in (("mul1", 4), ("3inst", 2), ("mcg", 3), ("mul1", 2.5)):
+    # One rate per super-lane width G (1, 2, 4, 8) and every codebook: each kernel once per rate in the variant the
+    # decode rows are served with; each other variant of the fused kernel once, at a rate of its own. A variant's code
+    # (ids, splits, grouped parts, word loads, MoE tiles, 64-row tiles) does not depend on the rate's decode, so every
+    # pair need not compile: all pairs were 30 fused compiles, two thirds of each target's time.
+    served = dict(HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE, BM=16, PARTS=0, PAIRS=False,
+                  FLAT=True, GROUPED=False)
+    variants = {  # rate: what differs from `served`
+        ("mul1", 4): [dict(PARTS=3),  # grouped q/k/v parts
+                      dict(GROUPED=True, PAIRS=True),  # MoE over expert-sorted tiles: gate/up pairs
+                      dict(BM=triton_gemv.TILE_ROWS, PARTS=3)],  # the tiled path (more than 16 rows), grouped
+        ("3inst", 2): [dict(SPLIT=False)],
+        ("mcg", 3): [dict(FLAT=False),  # words as [KT, BNT, 32/G] loads, at a rate whose super-lanes span 3 words
+                     dict(GROUPED=True)],  # MoE tiles: down
+        ("mul1", 2.5): [dict(HAS_IDS=True, PAIRS=True),  # MoE units from ids
+                        dict(BM=triton_gemv.TILE_ROWS)],
+    }
+    for (codebook, bits), others in variants.items():
         rate = triton_decode.rate_constants(bits, codebook)
         block_nt, block_kt, warps = triton_gemv.ring_dot_config(bits)
-        # FLAT=False (the trellis words as [KT, BNT, 32/G] loads) once, at a rate whose super-lanes span 3 words
-        variants = ((False, True, 0, True), (True, True, 0, True), (False, False, 0, True), (False, True, 3, True))
-        for has_ids, split, parts, flat in variants + (((False, True, 0, False),) if bits == 3 else ()):
-            compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
-                        dict(rate, HAS_IDS=has_ids, HAS_BIAS=True, SPLIT=split, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt,
-                             PARTS=parts, PAIRS=has_ids, FLAT=flat, GROUPED=False), num_warps=warps, num_stages=1)
-        # MoE over expert-sorted tiles (ids_ptr is then the int32 tile table), gate/up pairs and down
-        for pairs in (True, False):
-            compile_one(triton_fused.exl3_fused_kernel, dict(FUSED_ARGS, ids_ptr="*i32"),
-                        dict(rate, HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE, BM=16, KT=block_kt,
-                             PARTS=0, PAIRS=pairs, FLAT=True, GROUPED=True), num_warps=warps, num_stages=1)
-        # the tiled path (more than 16 rows): 64-row tiles, its own KT and warps; grouped parts once
         tile_kt, tile_warps = triton_gemv.tiled_config(bits)
-        for parts in ((0, 3) if bits == 4 else (0,)):
-            compile_one(triton_fused.exl3_fused_kernel, FUSED_ARGS,
-                        dict(rate, HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE,
-                             BM=triton_gemv.TILE_ROWS, KT=tile_kt, PARTS=parts, PAIRS=False, FLAT=True, GROUPED=False),
-                        num_warps=tile_warps, num_stages=1)
+        for changed in [{}, *others]:
+            constants = dict(rate, **served, KT=block_kt)
+            constants.update(changed)
+            tiled = constants["BM"] == triton_gemv.TILE_ROWS  # 64-row tiles: their own KT and warps
+            if tiled:
+                constants["KT"] = tile_kt
+            # with GROUPED, ids_ptr is the int32 tile table
+            args = dict(FUSED_ARGS, ids_ptr="*i32") if constants["GROUPED"] else FUSED_ARGS
+            compile_one(triton_fused.exl3_fused_kernel, args, constants, num_warps=tile_warps if tiled else warps,
+                        num_stages=1)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,
                     dict(rate, BM=block_m, BNT=block_nt, EPILOGUE=True, HAS_BIAS=True, SCALE=HADAMARD_SCALE))
@@ -132,7 +140,6 @@ def main() -> None:
                      "tk_per_program": "i32"}, dict(rate, SCALE=HADAMARD_SCALE, KT=4))
         compile_one(triton_decode._decode_dense_kernel, {"w_ptr": "*i32", "out_ptr": "*fp16", "tiles_n": "i32"},
                     dict(rate, KT=4, BNT=8))
-
 
 if __name__ == "__main__":
     BACKEND[0] = sys.argv[1]
