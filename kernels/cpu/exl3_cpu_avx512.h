@@ -193,7 +193,31 @@ void gemv_chunk_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate&
     const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
     const int chunk_bytes = CHUNK_TILES * words16 * 2;
     const __m512i hash = _mm512_set1_epi32((int)MUL1_HASH);
-    for (int tk = 0; tk < tiles_k; ++tk) {
+    if (m == 1) {  // decode: two tile rows per accumulator load/store, as gemv_chunk (integer sums: the same result)
+        for (int tk = 0; tk < tiles_k; tk += 2) {
+            for (int ahead = tk + 4; ahead < tk + 6 && ahead < tiles_k; ++ahead) {
+                const char* pf = (const char*)(col0 + (size_t)ahead * row_words);
+                for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+            }
+            const __m512i q0 = _mm512_loadu_si512(q4 + 16 * tk), q1 = _mm512_loadu_si512(q4 + 16 * tk + 16);
+            const int16_t* row0 = col0 + (size_t)tk * row_words;
+            const int16_t* row1 = row0 + row_words;
+            for (int gi = 0; gi < 16; ++gi) {
+                const GroupView view(g, gi);
+                const __m512i qg0 = _mm512_permutexvar_epi32(g.urow[gi], q0), qg1 = _mm512_permutexvar_epi32(g.urow[gi], q1);
+#pragma GCC unroll 8
+                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+                    int32_t* a = acc + ct * POSITIONS + 16 * gi;
+                    const __m512i x0 = _mm512_mullo_epi32(view.states((const uint32_t*)(row0 + (size_t)ct * words16),
+                                                                      r.words32), hash);
+                    const __m512i x1 = _mm512_mullo_epi32(view.states((const uint32_t*)(row1 + (size_t)ct * words16),
+                                                                      r.words32), hash);
+                    _mm512_store_si512(a, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_load_si512(a), x0, qg0), x1, qg1));
+                }
+            }
+        }
+    }
+    for (int tk = 0; tk < tiles_k && m > 1; ++tk) {
         if (tk + 4 < tiles_k) {
             const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);
             for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
@@ -205,17 +229,6 @@ void gemv_chunk_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate&
         const int16_t* row = col0 + (size_t)tk * row_words;
         for (int gi = 0; gi < 16; ++gi) {
             const GroupView view(g, gi);
-            if (m == 1) {  // decode: the row loop unrolled away
-                const __m512i qg = qe[gi];
-#pragma GCC unroll 8
-                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
-                    int32_t* a = acc + ct * POSITIONS + 16 * gi;
-                    const __m512i x = _mm512_mullo_epi32(view.states((const uint32_t*)(row + (size_t)ct * words16),
-                                                                     r.words32), hash);
-                    _mm512_store_si512(a, _mm512_dpbusd_epi32(_mm512_load_si512(a), x, qg));
-                }
-                continue;
-            }
             for (int ct = 0; ct < CHUNK_TILES; ++ct) {
                 const __m512i x = _mm512_mullo_epi32(view.states((const uint32_t*)(row + (size_t)ct * words16),
                                                                  r.words32), hash);
