@@ -11,29 +11,16 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
+from kernels_common import host_us  # noqa: E402
 from model_step import MODELS, Experts  # noqa: E402
 from step_timing import eager_us, graph_us, log  # noqa: E402
 
 from exl3local.kernels import moe_layer  # noqa: E402
-
-
-def host_us(fn, calls: int = 20) -> float:
-    """CPU µs per call with ~10 ms of GPU work queued ahead, so no call waits for the device."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(20_000_000)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
 
 
 def top_cpu_ops(fn, count: int = 8) -> list[tuple[str, float]]:
