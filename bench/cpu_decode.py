@@ -38,6 +38,22 @@ def llama_config(layers: int, hidden: int, intermediate: int, heads: int, kv_hea
     }  # fmt: skip
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The synthetic Llama's shapes and rate (the issue's: hidden 2048, intermediate 5632, mul1 K4), shared with
+    bench/cpu_linears.py."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--bits", type=int, default=4)
+
+
+def model_config(args: argparse.Namespace) -> dict:
+    return llama_config(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
+
+
 def write_models(root: Path, cfg: dict, bits: int, seed: int = 0) -> tuple[Path, Path]:
     import torch
     from safetensors.torch import save_file
@@ -229,13 +245,7 @@ def compare_kernels(model: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--bits", type=int, default=4)
+    add_model_arguments(parser)
     parser.add_argument("--out", type=Path, help="keep the checkpoints and results here (default: a temp dir)")
     parser.add_argument("--skip-linears", action="store_true")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both engines (vLLM then keeps torch at that "
@@ -253,7 +263,7 @@ def main() -> None:
     if args.model:
         compare_kernels(args.model)
         return
-    cfg = llama_config(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
+    cfg = model_config(args)
     with tempfile.TemporaryDirectory(prefix="cpu-decode-") as tmp:
         root = args.out or Path(tmp)
         t0 = time.perf_counter()

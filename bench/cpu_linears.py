@@ -149,15 +149,10 @@ def linears(args, cfg: dict, results: dict) -> None:
 
 
 def main() -> None:
-    from cpu_decode import llama_config  # noqa: PLC0415  (the sibling bench: the same model shapes)
+    from cpu_decode import add_model_arguments, model_config  # noqa: PLC0415  (the sibling bench: the same model shapes)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--bits", type=int, default=4)
+    add_model_arguments(parser)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--step", action="store_true", help="one decode step's linears instead of per linear")
     parser.add_argument("--repeat", type=int, default=3, help="--step: alternate the variants this many times")
@@ -165,7 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tier:
         os.environ["EXL3LOCAL_CPU_TIER"] = args.tier
-    cfg = llama_config(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, 2048)
+    cfg = model_config(args)
     if args.step:
         linear_step(args, cfg)
         return
