@@ -111,10 +111,13 @@ def summary(cells: dict[str, list[dict]]) -> dict:
 
 async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int, levels: list[int],
                   daemon: psutil.Process) -> dict:
-    limits = httpx.Limits(max_connections=None)
+    # idle connections dropped by this client before either server drops them (both close after 5 s idle): a POST
+    # sent on a connection the server is closing at that moment fails with "Server disconnected", and httpx's own
+    # expiry is 5 s too (a cell of the other path in between can take about that long)
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
     front = httpx.AsyncClient(base_url=endpoint, timeout=600, limits=limits, trust_env=False)
-    direct = httpx.AsyncClient(base_url="http://engine", transport=httpx.AsyncHTTPTransport(uds=uds), timeout=600,
-                               limits=limits, trust_env=False)
+    direct = httpx.AsyncClient(base_url="http://engine", transport=httpx.AsyncHTTPTransport(uds=uds, limits=limits),
+                               timeout=600, trust_env=False)
     results: dict = {}
     async with front, direct:
         for c in levels:  # warm both paths, the engine, and as many pooled connections as the level needs
