@@ -140,15 +140,13 @@ def _check_engine(python: str) -> tuple[bool, str]:
     return True, f"vLLM {info['vllm']} imports in {python}; the exl3 plugin registers"
 
 
-def _engine_port_owner(client: DaemonClient, port: int) -> str | None:
-    """'this daemon's engine (pid N)' when our own engine listens on `port`, else None."""
-    from exl3local.daemon.plan import ENGINE_HOST  # lazy: as in _cmd_doctor
-
+def _engine_port_owner(client: DaemonClient, host: str, port: int) -> str | None:
+    """'this daemon's engine (pid N)' when our own engine listens on `host:port`, else None."""
     try:
         st = client.status()
     except Exl3Error:
         return None
-    if st.endpoint and st.endpoint.startswith(f"http://{ENGINE_HOST}:{port}/") and st.state in ENGINE_ALIVE:
+    if st.endpoint and st.endpoint.startswith(f"http://{host}:{port}/") and st.state in ENGINE_ALIVE:
         return f"this daemon's engine ({st.state.value}, pid {st.engine_pid}) listens there"
     return None
 
@@ -206,24 +204,22 @@ def _check_ttm(device, bud, overhead: int, check) -> None:
           f"ttm.pages_limit={device.gpu.memory_bytes // 4096} (4 KiB pages)")
 
 
-def _check_daemon_and_port(check) -> None:
-    """Whether the daemon runs, and who holds the engine port (our own engine is fine)."""
-    from exl3local.daemon.plan import ENGINE_HOST, port_free  # lazy: as in _cmd_doctor
-
+def _check_daemon_and_port(check, host: str) -> None:
+    """Whether the daemon runs, and who holds the engine port on `host` (our own engine is fine)."""
     port = int(env.ENGINE_PORT.get())
     with DaemonClient() as client:
         try:
             pid = client.heartbeat().get("daemon_pid")
             where = f"running (pid {pid}) at {client.base_url}"
-            ours = _engine_port_owner(client, port)
+            ours = _engine_port_owner(client, host, port)
         except DaemonUnavailable:
             where, ours = f"not running at {client.base_url}", None
     if ours:
-        check("port", True, f"{ENGINE_HOST}:{port}: {ours}")
-    elif port_free(ENGINE_HOST, port):
-        check("port", True, f"{ENGINE_HOST}:{port} is free")
+        check("port", True, f"{host}:{port}: {ours}")
+    elif paths.port_free(host, port):
+        check("port", True, f"{host}:{port} is free")
     else:
-        check("port", None, f"{ENGINE_HOST}:{port} is in use by another program: free it, or serve on another port "
+        check("port", None, f"{host}:{port} is in use by another program: free it, or serve on another port "
               "with `up --port N` (or EXL3LOCAL_ENGINE_PORT)")
     check("daemon", True, f"{where}; logs in {paths.log_dir()}")
 
@@ -249,7 +245,7 @@ def _check_api_key(check) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from exl3local.daemon.plan import plugin_transients  # lazy: the daemon's planning code, for doctor only
+    from exl3local.daemon.plan import ENGINE_HOST, plugin_transients  # lazy: the daemon's planning code, doctor only
 
     results: list[tuple[bool | None, str, str]] = []
     console = Console(stderr=True)
@@ -285,7 +281,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             check("model", None if note.startswith("tool calls off") else True, note)
     except Exl3Error as exc:
         check("memory", False, f"{exc}" + (f" ({exc.hint})" if exc.hint else ""))
-    _check_daemon_and_port(check)
+    _check_daemon_and_port(check, ENGINE_HOST)
     _check_api_key(check)
     for var in env.ALL:
         if var.name in os.environ:

@@ -141,6 +141,7 @@ def main() -> None:
         compile_one(triton_decode._decode_dense_kernel, {"w_ptr": "*i32", "out_ptr": "*fp16", "tiles_n": "i32"},
                     dict(rate, KT=4, BNT=8))
 
+
 if __name__ == "__main__":
     BACKEND[0] = sys.argv[1]
     print(f"Triton {triton.__version__} ({triton.__file__}), target {TARGETS[BACKEND[0]]}")
