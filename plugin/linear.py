@@ -30,7 +30,7 @@ from exl3local.kernels import reference
 from exl3local.kernels.bound import BoundLinear
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, hadamard_cols, hadamard_rows
 from exl3local.manifest import MARKER_VALUES, TensorGroup
-from exl3local.plugin import ops, trace
+from exl3local.plugin import ops, reload, trace
 
 logger = logging.getLogger("exl3local.plugin")
 
@@ -286,6 +286,7 @@ class Exl3LinearMethod(LinearMethodBase):
             kind, index = missing[0]
             g = layer.exl3_parts[index].group
             raise CheckpointError(g.file, f"{g.prefix}.{kind}", "the tensor to be loaded", f"never loaded ({len(missing)} missing)")
+        reload.keep_first_parameters(layer, [name for name, _ in layer.named_parameters(recurse=False)])
         device = layer.trellis.device
         layer.exl3_kernels = []
         for part in layer.exl3_parts:

@@ -46,7 +46,7 @@ from exl3local.kernels.moe_layer import (  # noqa: F401 -- the ladder's names, r
     triton_moe_refusal,
 )
 from exl3local.manifest import MARKER_VALUES, TensorGroup
-from exl3local.plugin import trace
+from exl3local.plugin import reload, trace
 from exl3local.plugin.linear import refuse_packed_signs, split_range
 
 TILE = reference.TILE
@@ -248,6 +248,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             kind, name, e = missing[0]
             g = layer.exl3_groups[name]
             raise CheckpointError(g.file, f"{self.prefix}.{e}.{self.ckpt_names[name]}.{kind}", "loaded", f"never loaded ({len(missing)} missing)")
+        reload.keep_first_parameters(layer, [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))])
         layer.exl3_experts = ExpertLayer(layer.w13_trellis, layer.w13_suh, layer.w13_svh, layer.w2_trellis,
                                          layer.w2_suh, layer.w2_svh, layer.exl3_proj, layer.top_k)
         for name, kernel in layer.exl3_experts.kernels.items():

@@ -1,0 +1,71 @@
+"""vLLM's reload_weights (what a wake from sleep level 2 runs) on EXL3 layers, in-process (no engine).
+
+After the reload the layers must answer as before AND their kernels must read the layer's registered
+parameters -- the memory a level-2 sleep discards and the wake refills -- not a second copy (issue 23). The tiny
+Qwen3-MoE checkpoint has both kinds of EXL3 layer: linears (attention) and routed experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchvision_stand_in import torchvision_stand_in
+
+MODEL = "tiny-qwen3moe-exl3-4.0bpw"
+TOP_K = 4
+
+
+def exl3_layers(model) -> list[torch.nn.Module]:
+    kinds = ("Exl3LinearMethod", "Exl3MoEMethod")
+    return [m for m in model.modules() if type(getattr(m, "quant_method", None)).__name__ in kinds]
+
+
+def outputs(layers) -> list[torch.Tensor]:
+    """Each EXL3 layer on one fixed input (a routing of TOP_K experts for the MoE layers)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for layer in layers:
+        method = layer.quant_method
+        if type(method).__name__ == "Exl3MoEMethod":
+            x = torch.randn(3, layer.exl3_hidden, generator=g)
+            ids = torch.stack([torch.randperm(layer.w13_trellis.shape[0], generator=g)[:TOP_K] for _ in range(3)])
+            out.append(method.apply(layer, x, torch.rand(3, TOP_K, generator=g), ids.to(torch.int32)))
+        else:
+            x = torch.randn(3, layer.exl3_in_features, generator=g).to(layer.exl3_act_dtype)
+            out.append(method.apply(layer, x))
+    return out
+
+
+def test_reload_weights_keeps_the_kernels_on_the_registered_parameters(vllm_dist, tiny_models):
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    args = EngineArgs(model=str(tiny_models[MODEL]), quantization="exl3", enforce_eager=True, max_model_len=256,
+                      kv_cache_memory_bytes=64 * 2**20)
+    with torchvision_stand_in():
+        config = args.create_engine_config()
+    with set_current_vllm_config(config):
+        model = get_model(vllm_config=config)
+        layers = exl3_layers(model)
+        assert {type(m.quant_method).__name__ for m in layers} == {"Exl3LinearMethod", "Exl3MoEMethod"}
+        params = [dict(m.named_parameters(recurse=False)) for m in layers]
+        before = outputs(layers)
+        for p in params:  # level 2's discard, simulated: the registered parameters lose their values
+            for t in p.values():
+                t.data.zero_()
+        reload_weights(config, model, None, None, True)
+
+    for m, p in zip(layers, params):  # the same objects are registered as before the reload
+        assert all(m._parameters[name] is t for name, t in p.items())
+    for got, want in zip(outputs(layers), before, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # The kernels read those parameters: clearing them again must change every layer's answer. (Before the fix
+    # the kernels held vLLM's temporaries from the reload, and this changed nothing.)
+    for p in params:
+        for t in p.values():
+            t.data.zero_()
+    stale = {type(m).__name__ for m, got, want in zip(layers, outputs(layers), before, strict=True) if torch.equal(got, want)}
+    assert not stale, f"these layers still answer from a copy of their weights: {sorted(stale)}"
