@@ -25,7 +25,8 @@ from types import MappingProxyType
 from exl3local import env, profiles
 from exl3local.errors import ConfigError
 from exl3local.engine import launch, textonly
-from exl3local.manifest import Manifest, text_config
+from exl3local.manifest import Manifest
+from exl3local.model_config import text_config
 
 
 @dataclass(frozen=True)

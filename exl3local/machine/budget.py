@@ -19,8 +19,8 @@ from typing import Any, Protocol
 from exl3local.errors import BudgetError
 # What the machine has (RAM, TTM's limit, the runtime's view of the device): machine/memory.py; named here too.
 from exl3local.machine.memory import DeviceMemory, MemorySnapshot
-# Multimodal configs (Qwen3.5) nest the language model under text_config; the manifest owns that rule.
-from exl3local.manifest import text_config
+# Multimodal configs (Qwen3.5) nest the language model under text_config; exl3local.model_config owns that rule.
+from exl3local.model_config import text_config
 from exl3local.profiles import speculative_config
 from exl3local.units import format_gib
 

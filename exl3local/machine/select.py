@@ -13,7 +13,7 @@ from pathlib import Path
 
 from exl3local import env, profiles
 from exl3local.errors import BudgetError
-from exl3local.manifest import text_config
+from exl3local.model_config import text_config
 from exl3local.units import format_gib
 from exl3local.machine import budget, hardware, xpu
 

@@ -2,7 +2,7 @@
 function-level ones included, plus the deferred imports checked at runtime in a fresh interpreter.
 
 The floors, lowest first (each may import only floors below it, and itself):
-1. foundation (errors, env, paths, units, manifest, safetensors_files, kernel_paths) and api/protocol
+1. foundation (errors, env, paths, units, manifest, model_config, safetensors_files, kernel_paths) and api/protocol
 2. profiles, kernels
 3. plugin
 4. machine; models (never the client)
@@ -28,7 +28,7 @@ HEAVY = ("torch", "vllm", "triton", "textual", "transformers")
 PACKAGE_DIRS = {"kernels": "exl3local.kernels", "plugin": "exl3local.plugin", "tui": "exl3local.tui",
                 "profiles": "exl3local.profiles", "packaging": "exl3local.packaging"}  # fmt: skip
 FOUNDATION = ("exl3local.errors", "exl3local.env", "exl3local.paths", "exl3local.units", "exl3local.manifest",
-              "exl3local.kernel_paths", "exl3local.safetensors_files", "exl3local.__version__")  # fmt: skip
+              "exl3local.model_config", "exl3local.kernel_paths", "exl3local.safetensors_files", "exl3local.__version__")  # fmt: skip
 PROTOCOL = ("exl3local.api.protocol",)
 CLIENT = ("exl3local.api", "exl3local.api.client", "exl3local.api.metrics")
 
@@ -41,6 +41,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "exl3local.paths": (),
     "exl3local.kernel_paths": (),
     "exl3local.manifest": FOUNDATION,
+    "exl3local.model_config": ("exl3local.safetensors_files",),
     "exl3local.safetensors_files": ("exl3local.errors",),
     "exl3local.profiles": (*FOUNDATION, "exl3local.profiles"),
     "exl3local.kernels": (*FOUNDATION, "exl3local.kernels"),
@@ -64,6 +65,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 # third-party modules a layer must never import, even lazily
 FORBIDDEN = {
     "exl3local.manifest": HEAVY + ("safetensors",),
+    "exl3local.model_config": HEAVY + ("safetensors",),
     "exl3local.safetensors_files": HEAVY + ("safetensors",),
     "exl3local.errors": HEAVY,
     "exl3local.env": HEAVY,

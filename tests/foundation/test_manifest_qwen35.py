@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from exl3local import manifest
+from exl3local import manifest, model_config
 from exl3local.errors import CheckpointError
 
 QWEN35 = ("tiny-qwen35moe-exl3-4.0bpw", "tiny-qwen35-exl3-4.0bpw", "tiny-qwen35moe-vl-exl3-4.0bpw",
@@ -27,7 +27,7 @@ def dims(m: manifest.Manifest, prefix: str) -> tuple[int | None, int | None]:
 @pytest.mark.parametrize("name", QWEN35)
 def test_every_linear_is_sized_from_the_config(tiny_models, name):
     m = manifest.read(tiny_models[name])
-    text = manifest.text_config(m.config)
+    text = model_config.text_config(m.config)
     hidden, heads, head_dim = text["hidden_size"], text["num_attention_heads"], text["head_dim"]
     key_dim = text["linear_num_key_heads"] * text["linear_key_head_dim"]
     value_dim = text["linear_num_value_heads"] * text["linear_value_head_dim"]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from exl3local import manifest
+from exl3local import manifest, model_config
 from exl3local.kernels.reference import reconstruct
 
 CODEBOOK = "mul1"
@@ -169,7 +169,7 @@ def tensors(
     config: Mapping[str, Any], bits: float, head_bits: float, vision_bits: float
 ) -> Iterator[Linear | Plain | Fused]:
     """Every tensor of the checkpoint, in a fixed order (the seed's stream follows it)."""
-    c = manifest.text_config(config)
+    c = model_config.text_config(config)
     hidden, vocab = c["hidden_size"], c["vocab_size"]
     yield Plain(f"{LM}embed_tokens.weight", (vocab, hidden), torch.bfloat16, 1.0)
     for i, kind in enumerate(c["layer_types"]):
@@ -250,7 +250,7 @@ def _quantization_config(
         "quant_method": "exl3", "version": "1.6.5", "bits": bits, "head_bits": head_bits,
         "calibration": {"rows": 250, "cols": 2048}, "out_scales": "auto", "codebook": CODEBOOK,
     }  # fmt: skip
-    if manifest.text_config(config).get("mtp_num_hidden_layers"):
+    if model_config.text_config(config).get("mtp_num_hidden_layers"):
         qcfg["mtp_bits"] = bits
     if "vision_config" in config:
         qcfg["vision_bits"] = vision_bits
