@@ -106,18 +106,12 @@ def dense_weight(group: dict, t) -> "torch.Tensor":
     import torch
 
     from exl3local.kernels.cpu import ops
-    from exl3local.kernels.hadamard import hadamard_128
-
-    h = hadamard_128("cpu")
-
-    def rows(v: torch.Tensor) -> torch.Tensor:  # hadamard_rows as one 2-D matmul: its 3-D form took 15x longer here
-        v = v.float().contiguous()
-        return (v.view(-1, h.shape[0]) @ h).view(v.shape)
+    from exl3local.kernels.hadamard import hadamard_cols, hadamard_rows
 
     trellis, suh, svh = (group[f"{t.name}.{k}"] for k in ("trellis", "suh", "svh"))
     w_inner = ops.CpuLinear(trellis, suh, svh, t.bits, "mul1").decode()
-    left = rows(w_inner.t()).t().to(torch.float16) * suh[:, None]  # reference.reconstruct's rounding steps
-    w = rows(left).to(torch.float16) * svh[None, :]
+    left = hadamard_cols(w_inner).to(torch.float16) * suh[:, None]  # reference.reconstruct's rounding steps
+    w = hadamard_rows(left).to(torch.float16) * svh[None, :]
     return w[: t.size_in, : t.size_out].T.contiguous()
 
 
