@@ -286,7 +286,8 @@ class Exl3LinearMethod(LinearMethodBase):
             kind, index = missing[0]
             g = layer.exl3_parts[index].group
             raise CheckpointError(g.file, f"{g.prefix}.{kind}", "the tensor to be loaded", f"never loaded ({len(missing)} missing)")
-        reload.keep_first_parameters(layer, [name for name, _ in layer.named_parameters(recurse=False)])
+        reload.keep_first_parameters(layer, [name for name, _ in layer.named_parameters(recurse=False)],
+                                     {p.group.codebook for p in layer.exl3_parts})
         device = layer.trellis.device
         layer.exl3_kernels = []
         for part in layer.exl3_parts:

@@ -248,7 +248,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             kind, name, e = missing[0]
             g = layer.exl3_groups[name]
             raise CheckpointError(g.file, f"{self.prefix}.{e}.{self.ckpt_names[name]}.{kind}", "loaded", f"never loaded ({len(missing)} missing)")
-        reload.keep_first_parameters(layer, [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))])
+        reload.keep_first_parameters(layer, [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))],
+                                     {p.codebook for p in layer.exl3_proj.values()})
         layer.exl3_experts = ExpertLayer(layer.w13_trellis, layer.w13_suh, layer.w13_svh, layer.w2_trellis,
                                          layer.w2_suh, layer.w2_svh, layer.exl3_proj, layer.top_k)
         for name, kernel in layer.exl3_experts.kernels.items():

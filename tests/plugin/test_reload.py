@@ -69,3 +69,26 @@ def test_reload_weights_keeps_the_kernels_on_the_registered_parameters(vllm_dist
             t.data.zero_()
     stale = {type(m).__name__ for m, got, want in zip(layers, outputs(layers), before, strict=True) if torch.equal(got, want)}
     assert not stale, f"these layers still answer from a copy of their weights: {sorted(stale)}"
+
+
+def test_a_reload_rewrites_the_kernels_device_tables_in_place():
+    """On a GPU these were made in the memory pool that a level-2 sleep discards; the reload must refill them
+    where the bound launches point (here on the CPU, with Triton's interpreter, as the tests run)."""
+    from exl3local.kernels import codebook, hadamard, launcher, triton_hadamard
+    from exl3local.plugin import reload
+
+    cpu = torch.device("cpu")
+    tables = [hadamard.hadamard_128(cpu), triton_hadamard.hadamard_operands(cpu), codebook.lut("mul1", cpu)]
+    want = [t.clone() for t in tables]
+    ws = launcher.Workspace.get(cpu, 12345, 1, 1, 4)
+    for t in (*tables, ws.counters):
+        t.fill_(7)  # what a discarded and re-mapped page may hold
+    reload.refresh_device_tables(cpu, {"mul1"})
+    for got, expected in zip((hadamard.hadamard_128(cpu), triton_hadamard.hadamard_operands(cpu),
+                              codebook.lut("mul1", cpu)), want, strict=True):
+        assert torch.equal(got, expected)
+    assert [t.data_ptr() for t in tables] == [hadamard.hadamard_128(cpu).data_ptr(),
+                                              triton_hadamard.hadamard_operands(cpu).data_ptr(),
+                                              codebook.lut("mul1", cpu).data_ptr()]
+    assert not ws.counters.any()
+    launcher.Workspace._live.pop((cpu, 12345))
