@@ -87,7 +87,7 @@ class DaemonStatus:
     keep_alive_s: float | None = None  # idle time before the engine is unloaded; None: never
     idle_since: float | None = None  # IDLE: unix time the engine was unloaded
     idle_freed_bytes: int | None = None  # IDLE: what came back (a stop: the engine's RSS; a sleep: its GPU memory)
-    idle_unload: str | None = None  # IDLE: "engine stopped" or "sleep level 1"
+    idle_unload: str | None = None  # IDLE: "engine stopped", "sleep level 1" or "sleep level 2"
     idle_detail: str | None = None  # IDLE: what the unload freed, and why this way
     switch_to: str | None = None  # a request named this installed model: loaded once the requests in flight end
     requests_waiting: int = 0  # requests at the endpoint waiting for a switch or for READY

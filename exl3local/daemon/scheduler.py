@@ -212,7 +212,8 @@ class Scheduler:
         if asleep:
             t0, self.waking = self.clock(), True  # READY, yet no byte is owed until it is awake
             try:
-                await idle_unload.wake(self.daemon.front.engine(plan.spec.uds), plan.spec.env.get(VLLM_API_KEY_ENV))
+                await idle_unload.wake(self.daemon.front.engine(plan.spec.uds), how.level,
+                                       plan.spec.env.get(VLLM_API_KEY_ENV))
                 mark(f"request while asleep: engine woken from {how.words} in {self.clock() - t0:.1f} s")
                 return
             except idle_unload.SleepFailed as exc:

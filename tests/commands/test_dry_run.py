@@ -90,9 +90,9 @@ def test_a_pinned_igpu_engine_asks_vllm_for_what_it_holds(tmp_path, xdg, tiny, r
     ttm = plan["memory"]["ttm_pages_limit_bytes"]
     assert ttm == ram // 2 // PAGE * PAGE
     assert bud["engine_bytes"] - profiles.load("claw8").memory["engine_overhead_bytes"] <= ttm
-    # idle, an iGPU's engine stops: sleep level 2's wake would hold EXL3 weights twice (daemon/unload.py)
-    assert plan["idle_unload"]["how"] == "engine stopped" and "--enable-sleep-mode" not in argv
-    assert "VLLM_SERVER_DEV_MODE" not in plan["env"]
+    # idle, an iGPU's engine drops its weights (sleep level 2): a level 1 would copy them from RAM to RAM
+    assert plan["idle_unload"]["how"] == "sleep level 2" and "--enable-sleep-mode" in argv
+    assert plan["env"]["VLLM_SERVER_DEV_MODE"] == "1"
 
 
 def test_an_igpu_runtime_without_enough_free_memory_is_refused_in_our_words(tmp_path, xdg, tiny):

