@@ -52,7 +52,11 @@ ENGINE_PRIVATE = frozenset({
     "/is_paused", "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
     "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version",
     "/weight_info", "/weight_checker", "/get_world_size"})
-IDLE_TIMEOUT_S = 5.0  # between requests on a keep-alive connection (uvicorn's default)
+# An idle keep-alive connection is closed after this. Longer than common clients keep idle connections in their
+# pools (httpx 5 s, aiohttp 15 s, Node's undici 4 s): the client must drop one first, because a request it sends
+# on a connection we are closing at that moment fails ("Server disconnected"; a POST is not retried). uvicorn's
+# default, 5 s, raced httpx's 5 s (the session-8 bench run). The cost is an idle socket per client, 30 s at most.
+IDLE_TIMEOUT_S = 30.0
 ENGINE_CONNECT_TIMEOUT_S = 5.0  # a local socket: more is a stuck engine; reads have no limit (long generations)
 # an idle engine connection is dropped by us before vLLM drops it (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a request
 # never goes out on a connection the engine is closing at that moment (a POST is not retried)
