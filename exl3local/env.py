@@ -80,12 +80,9 @@ API_KEY_FILE = EnvVar(
     "EXL3LOCAL_API_KEY_FILE", "", "file whose first line is the key clients must send to the OpenAI endpoint (Bearer)"
 )
 API_KEY = EnvVar("EXL3LOCAL_API_KEY", "", "the endpoint's key itself, when no key file is set (the file is safer)")
-CORS_ORIGINS = EnvVar(
-    "EXL3LOCAL_CORS_ORIGINS", "", "internal: the profile's [endpoint] cors_origins as JSON, set for the engine"
-)
 
 ALL: tuple[EnvVar, ...] = (
     HOST, ENGINE_PORT, ENGINE_PYTHON, SYSFS, STALL_TIMEOUT, HANG_TIMEOUT, API_IDLE_TIMEOUT, API_KEY_FILE, API_KEY,
-    ENGINE_PARENT, CORS_ORIGINS, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, CPU_INT8, KERNEL_SELFTEST,
+    ENGINE_PARENT, TRACE_PATHS, TRACE_DIR, DECODE_ONCE, DISABLED_KERNELS, CPU_INT8, KERNEL_SELFTEST,
     TILED_MAX_ROWS, TRITON_INTERPRET, CPU_TIER,
 )

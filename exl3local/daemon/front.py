@@ -9,8 +9,8 @@ connection closed, so an abandoned generation stops using the engine.
 The front answers by itself only when there is nothing to forward to: no model served, or an engine
 that is not READY (503 with Retry-After, in OpenAI's error shape). READY is checked per request against
 the leader's state in /proc (Supervisor.snapshot), never a stale flag. The API key is checked here
-before anything is forwarded (vLLM, which holds the same key, checks it again); the CORS rules stay in
-the engine's middleware (engine/cors.py), whose headers pass through unchanged.
+before anything is forwarded (vLLM, which holds the same key, checks it again). CORS is answered here too
+(daemon/cors.py): a browser's preflight never reaches the engine, and every answer to a page gets the headers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -31,9 +30,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 
 from exl3local import errors
 from exl3local.api.protocol import ENGINE_ALIVE, EngineState
-from exl3local.daemon import asgi
+from exl3local.daemon import asgi, cors
 from exl3local.daemon.scheduler import SwitchRefused, UnknownModel
-from exl3local.engine import cors
 from exl3local.engine.launch import VLLM_API_KEY_ENV
 from exl3local.models import catalog
 
@@ -124,7 +122,7 @@ class Front:
         self._session: aiohttp.ClientSession | None = None
         self._session_uds: str | None = None
         self._closing: set[asyncio.Task[None]] = set()
-        self._origins: tuple[tuple[str, ...], re.Pattern[str]] | None = None  # the profile's CORS patterns, compiled
+        self._cors: cors.LocalOrigins | None = None  # over the profile's patterns, made again when they change
 
     async def listen(self, host: str, port: int) -> None:
         """Serve the endpoint on host:port (moving it when the port changed)."""
@@ -176,7 +174,8 @@ class Front:
         if plan is None:
             return openai_error(503, "no model is being served: run `exl3local up`", "service_unavailable")
         key = plan.spec.env.get(VLLM_API_KEY_ENV)
-        # a CORS preflight carries no Authorization (browsers never send it there): vLLM lets OPTIONS through too
+        # OPTIONS carries no Authorization (a browser's preflight never does; the CORS layer answers those before
+        # this): vLLM lets OPTIONS through too
         if key and request.url.path.startswith("/v1") and request.method != "OPTIONS":
             sent = request.headers.get("authorization", "").encode()
             if not secrets.compare_digest(sent, f"Bearer {key}".encode()):
@@ -193,26 +192,26 @@ class Front:
                                 "service_unavailable", retry_after_s=1 if waiting else None)
         return None
 
-    def _cors(self, request: Request, answer: Response) -> Response:
-        """The front's own answers carry the CORS headers the engine's middleware (engine/cors.py) gives its
-        answers: the same profile patterns, so a browser page reads both alike."""
-        origin = request.headers.get("origin")
-        plan = self.daemon.plan
-        if origin and plan is not None:
-            patterns = tuple(plan.profile.endpoint.get("cors_origins", ()))
-            if self._origins is None or self._origins[0] != patterns:
-                self._origins = (patterns, re.compile(cors.origin_regex(patterns)))
-            if self._origins[1].fullmatch(origin):
-                answer.headers["access-control-allow-origin"] = origin
-                answer.headers["vary"] = "Origin"
-        return answer
-
     async def app(self, scope: Any, receive: Any, send: Any) -> None:
         """The endpoint's ASGI app: one handler for every path, without starlette's router and middleware
         stack, which wrapped every streamed chunk's send in two more layers."""
         if scope["type"] != "http":  # a WebSocket: not forwarded (as before, when a router held the one HTTP route)
             await send({"type": "websocket.close", "code": 1000})
             return
+        # Only a browser names the page's Origin: other clients' streams skip the CORS layer's send wrapper.
+        if any(name == b"origin" for name, _ in scope["headers"]):
+            await self._cors_layer()(scope, receive, send)
+        else:
+            await self._serve(scope, receive, send)
+
+    def _cors_layer(self) -> cors.LocalOrigins:
+        plan = self.daemon.plan
+        patterns = tuple(plan.profile.endpoint.get("cors_origins", ())) if plan is not None else ()
+        if self._cors is None or self._cors.patterns != patterns:
+            self._cors = cors.LocalOrigins(self._serve, patterns)
+        return self._cors
+
+    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
         request = Request(scope, receive)
         if request.method not in METHODS:
             answer: Response = PlainTextResponse("Method Not Allowed", 405, headers={"Allow": ", ".join(METHODS)})
@@ -221,10 +220,6 @@ class Front:
         await answer(scope, receive, send)
 
     async def forward(self, request: Request) -> Response:
-        answer = await self._answer(request)
-        return answer if isinstance(answer, _Forwarded) else self._cors(request, answer)
-
-    async def _answer(self, request: Request) -> Response:
         refused = self._refusal(request)
         if refused is not None:
             return refused

@@ -28,9 +28,6 @@ TRACE_DIR_ENV = env.TRACE_DIR.name
 PARENT_PID_ENV = env.ENGINE_PARENT.name
 FALLBACK_CHAT_TEMPLATE = paths.bundled("demo", "chat_template.jinja")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-# The endpoint's CORS layer (engine/cors.py), loaded into vLLM's API server; its origins travel in the env.
-CORS_MIDDLEWARE = "exl3local.engine.cors.LocalOrigins"
-CORS_ORIGINS_ENV = env.CORS_ORIGINS.name
 TOOLS_OFF_MIDDLEWARE = "exl3local.engine.tools_off.ToolsOffHint"
 WARMUP_MIDDLEWARE = "exl3local.engine.warmup.WarmUpBeforeReady"
 # The endpoint's API key: read from the daemon's environment at each start and handed to vLLM in its own
@@ -222,9 +219,7 @@ def build(
         argv += ["--chat-template", str(FALLBACK_CHAT_TEMPLATE)]
     if gpu is not None and gpu.codename == "DG2" and "dtype" not in profile.vllm:
         argv += ["--dtype", "float16"]  # vLLM's XPU platform refuses bf16 on Alchemist (docs/arc.md §4.3)
-    origins = list(profile.endpoint.get("cors_origins", ()))
-    if origins:
-        argv += ["--middleware", CORS_MIDDLEWARE]
+    # CORS is the endpoint's (daemon/cors.py): the engine keeps vLLM's default, no origin allowed
     if not profile.vllm.get("tool_call_parser"):
         argv += ["--middleware", TOOLS_OFF_MIDDLEWARE]  # vLLM's 400 for `tools` names its flags; ours, our switch
     argv += ["--middleware", WARMUP_MIDDLEWARE]  # /health says 200 once the first logprobs compile is done
@@ -248,7 +243,6 @@ def build(
         # elementwise ops over the vocabulary that run as fast eagerly on a CPU. Dynamo off makes them plain calls.
         env.setdefault("TORCHDYNAMO_DISABLE", "1")
     env.update({
-        CORS_ORIGINS_ENV: json.dumps(origins),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "VLLM_PLUGINS": plugins_env(env),

@@ -1,18 +1,20 @@
 """The endpoint's forwarding (daemon/front.py) in one process: the real Front on a TCP port, a fake daemon around
 it, and an engine that is a raw ASGI app on a Unix socket, so each step waits on an event, not a sleep. What the
 client sends reaches the engine as sent (no header added by the front's HTTP client), the engine's stream comes
-back chunk by chunk, the client's cookies stay its own, and a client that leaves closes the engine request."""
+back chunk by chunk, the client's cookies stay its own, a client that leaves closes the engine request, and CORS
+is answered at the front."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from types import SimpleNamespace
 
 import httpx
 
 from exl3local.api.protocol import EngineState
-from exl3local.daemon import asgi
+from exl3local.daemon import asgi, cors
 from exl3local.daemon.front import Front
 
 
@@ -30,8 +32,10 @@ class Engine:
         self.seen.append({"path": scope["raw_path"], "query": scope["query_string"], "headers": headers})
         while (await receive()).get("more_body"):
             pass
+        # `vary: Origin`: vLLM's own CORS layer (no origin allowed) says it on every answer to a page
         await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"set-cookie", b"session=engine-1"), (b"x-engine", b"yes")]})
+            (b"content-type", b"text/event-stream"), (b"set-cookie", b"session=engine-1"), (b"x-engine", b"yes"),
+            *([(b"vary", b"Origin")] if "origin" in headers else [])]})
         await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
         go = asyncio.ensure_future(self.go.wait())
         gone = asyncio.ensure_future(receive())
@@ -114,3 +118,51 @@ async def test_a_client_leaving_mid_stream_closes_its_engine_request(tmp_path):
     finally:
         await front.close()
         await served.close()
+
+
+async def test_cors_is_answered_at_the_front_by_the_profiles_patterns(tmp_path):
+    engine, served, front, daemon, url = await serve(tmp_path)
+    daemon.plan.profile.endpoint = {"cors_origins": ("http://localhost:*", "vscode-webview://*")}
+    engine.go.set()
+    try:
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+            async def preflight(origin: str) -> httpx.Response:
+                return await client.options("/v1/chat/completions", headers={
+                    "Origin": origin, "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization, content-type"})
+
+            ok = await preflight("http://localhost:5173")
+            assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:5173"
+            assert ok.headers["access-control-allow-headers"] == "authorization, content-type"
+            assert ok.headers["access-control-max-age"] == "600" and "POST" in ok.headers["access-control-allow-methods"]
+            for origin in ("https://example.com", "http://localhost.example.com", "null"):
+                refused = await preflight(origin)
+                assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers, origin
+            assert engine.seen == []  # answered by the front: vLLM's own layer would refuse every origin
+            # forwarded answers: the allowed origin mirrored, and `Vary: Origin` once (the engine said it too)
+            page = await client.post("/v1/completions", content=b"{}", headers={"Origin": "vscode-webview://1a2b"})
+            assert page.text == "data: 1\n\ndata: 2\n\n"
+            assert page.headers["access-control-allow-origin"] == "vscode-webview://1a2b"
+            assert page.headers.get_list("vary") == ["Origin"]
+            web = await client.post("/v1/completions", content=b"{}", headers={"Origin": "https://example.com"})
+            assert "access-control-allow-origin" not in web.headers and web.headers.get_list("vary") == ["Origin"]
+            plain = await client.post("/v1/completions", content=b"{}")
+            assert "access-control-allow-origin" not in plain.headers and "vary" not in plain.headers
+            # the front's own answers carry them too
+            daemon.sup.snapshot = lambda: {"state": EngineState.STARTING}
+            own = await client.post("/v1/completions", content=b"{}", headers={"Origin": "http://localhost:8080"})
+            assert own.status_code == 503 and own.headers["access-control-allow-origin"] == "http://localhost:8080"
+            assert len(engine.seen) == 3
+    finally:
+        await front.close()
+        await served.close()
+
+
+def test_origin_patterns_take_any_port_or_host_where_they_say_so_and_nothing_else():
+    regex = cors.origin_regex(["http://localhost:*", "http://127.0.0.1:*", "vscode-webview://*"])
+    allowed = ["http://localhost", "http://localhost:5173", "http://127.0.0.1:65535", "vscode-webview://0abc"]
+    refused = ["https://localhost:1", "http://localhost.evil.org", "http://localhost:80/x", "http://evil.org",
+               "vscode-webview://a/b", "null", "*"]
+    assert all(re.fullmatch(regex, o) for o in allowed)
+    assert not any(re.fullmatch(regex, o) for o in refused)
+    assert not re.fullmatch(cors.origin_regex([]), "http://localhost")

@@ -1,12 +1,12 @@
 """The ASGI layers exl3local loads into vLLM's API server (`--middleware`), on a real starlette app stacked as
-vLLM stacks them (its own CORS layer inside ours): CORS headers, and the tools-off 400 (issue 24 items 2, 5).
-The same layers in the real engine: tests/models/test_demo_endpoint.py."""
+vLLM stacks them (its own CORS layer, no origin allowed, inside ours): the tools-off 400 (issue 24 item 5) and
+the warm-up. The same layers in the real engine: tests/models/test_demo_endpoint.py. CORS is the endpoint's
+(daemon/cors.py): tests/daemon/test_forward.py."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from types import MappingProxyType
 
 import httpx
@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from exl3local import profiles
-from exl3local.engine import cors, launch, tools_off
+from exl3local.engine import launch, tools_off
 from exl3local.machine import budget
 
 # vLLM 0.32's answer to `tools` without --enable-auto-tool-choice (renderers/online_renderer.py), as it sends it
@@ -46,26 +46,15 @@ def _app(*outer: type) -> Starlette:
 
 
 @pytest.fixture
-def client(monkeypatch):
-    monkeypatch.setenv(launch.CORS_ORIGINS_ENV, json.dumps(["http://localhost:*"]))
-
+def client():
     def make(*outer: type) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=_app(*outer)), base_url="http://127.0.0.1")
 
     return make
 
 
-async def test_a_cors_answer_names_origin_in_vary_once(client):
-    async with client(cors.LocalOrigins) as c:
-        r = await c.get("/v1/models", headers={"Origin": "http://localhost:3000"})
-        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
-        assert r.headers.get_list("vary") == ["Origin"]
-        other = await c.get("/v1/models", headers={"Origin": "https://example.com"})
-        assert "access-control-allow-origin" not in other.headers and other.headers.get_list("vary") == ["Origin"]
-
-
 async def test_the_tools_off_400_names_exl3locals_switch_and_other_400s_pass(client):
-    async with client(cors.LocalOrigins, tools_off.ToolsOffHint) as c:
+    async with client(tools_off.ToolsOffHint) as c:
         r = await c.post("/v1/chat/completions", json={"tools": [{"type": "function"}]})
         assert r.status_code == 400
         error = r.json()["error"]

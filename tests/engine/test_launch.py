@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import sys
 
-import json
-import re
-
 import pytest
 
 from exl3local import manifest, profiles
 from exl3local.errors import ConfigError
-from exl3local.engine import cors, launch
+from exl3local.engine import launch
 from exl3local.machine import budget, hardware
 
 
@@ -113,20 +110,13 @@ def test_the_api_key_reaches_vllm_in_its_environment_only(tiny_models, tmp_path)
     assert "EXL3LOCAL_API_KEY_FILE" in err.value.hint
 
 
-def test_cors_origins_become_our_middleware_and_a_regex_with_port_wildcards(tiny_models, tmp_path):
+def test_the_engine_has_no_cors_layer_of_ours(tiny_models, tmp_path):
+    """CORS is the endpoint's (daemon/cors.py, tests/daemon/test_forward.py): vLLM keeps its default, no origin
+    allowed, so a page cannot reach the engine around the front's rules."""
     spec, _ = _spec(tiny_models, tmp_path)
-    assert spec.argv[spec.argv.index("--middleware") + 1] == launch.CORS_MIDDLEWARE == \
-        f"{cors.__name__}.{cors.LocalOrigins.__name__}"
-    assert "--allowed-origins" not in spec.argv
-    patterns = json.loads(spec.env[launch.CORS_ORIGINS_ENV])
-    assert patterns == ["http://localhost:*", "http://127.0.0.1:*", "vscode-webview://*"]
-    regex = cors.origin_regex(patterns)
-    allowed = ["http://localhost", "http://localhost:5173", "http://127.0.0.1:65535", "vscode-webview://0abc"]
-    refused = ["https://localhost:1", "http://localhost.evil.org", "http://localhost:80/x", "http://evil.org",
-               "vscode-webview://a/b", "null", "*"]
-    assert all(re.fullmatch(regex, o) for o in allowed)
-    assert not any(re.fullmatch(regex, o) for o in refused)
-    assert not re.fullmatch(cors.origin_regex([]), "http://localhost")
+    layers = [spec.argv[i + 1] for i, a in enumerate(spec.argv) if a == "--middleware"]
+    assert layers and not any("cors" in layer.lower() for layer in layers)
+    assert "--allowed-origins" not in spec.argv and not any("CORS" in name for name in spec.env)
 
 
 def test_torch_compiles_are_cached_beyond_the_engines_private_temp_dir(tiny_models, tmp_path, monkeypatch):

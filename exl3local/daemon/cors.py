@@ -1,26 +1,20 @@
-"""Which browser pages may call the OpenAI endpoint (CORS), as ASGI middleware loaded into vLLM's API
-server with `--middleware`.
+"""Which browser pages may call the OpenAI endpoint (CORS), answered at the front (daemon/front.py).
 
-vLLM's own `--allowed-origins` compares origins exactly, so "any port on localhost" (dev servers, editor
-webviews, browser extensions talking to a local tool) cannot be said with it. The profile's
-`[endpoint] cors_origins` patterns reach the engine as JSON in launch.CORS_ORIGINS_ENV and become one
-regex here. vLLM adds `--middleware` classes after its own CORS layer, so this one sees requests first and
-answers the preflight before vLLM's (empty) origin list refuses it.
+The profile's `[endpoint] cors_origins` patterns become one regex: vLLM's own `--allowed-origins` compares
+origins exactly, so "any port on localhost" (dev servers, editor webviews, browser extensions talking to a local
+tool) cannot be said with it. The front answers a preflight itself, so one never wakes an idle engine or waits for
+a loading one, and adds the headers to every answer, its own and the engine's alike. The engine keeps vLLM's
+default (no origin allowed): its CORS layer only says `Vary: Origin`, which is said once here.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Iterable
 
-# starlette is vLLM's web framework: this module runs only inside the engine, never in the daemon.
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Send
-
-from exl3local.engine.launch import CORS_ORIGINS_ENV
 
 
 def origin_regex(patterns: Iterable[str]) -> str:
@@ -40,13 +34,16 @@ def origin_regex(patterns: Iterable[str]) -> str:
 
 
 class LocalOrigins(CORSMiddleware):
-    def __init__(self, app: ASGIApp) -> None:
-        patterns = json.loads(os.environ.get(CORS_ORIGINS_ENV) or "[]")
-        super().__init__(app, allow_origin_regex=origin_regex(patterns), allow_methods=["*"], allow_headers=["*"],
-                         max_age=600)
+    """starlette's CORS rules (preflight answers, the allowed origin mirrored back) over the profile's patterns;
+    any method and header may be asked for (a local tool's API, not a cookie-bearing site)."""
+
+    def __init__(self, app: ASGIApp, patterns: Iterable[str]) -> None:
+        self.patterns = tuple(patterns)
+        super().__init__(app, allow_origin_regex=origin_regex(self.patterns), allow_methods=["*"],
+                         allow_headers=["*"], max_age=600)
 
     async def send(self, message: Message, send: Send, request_headers: Headers) -> None:
-        # vLLM's own CORS layer (inside this one) already said `Vary: Origin`; say each name once
+        # vLLM's CORS layer already said `Vary: Origin` on a forwarded answer; say each name once
         async def vary_once(msg: Message) -> None:
             if msg["type"] == "http.response.start":
                 headers = MutableHeaders(scope=msg)
