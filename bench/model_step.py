@@ -226,21 +226,37 @@ def runner(ops):
     return step
 
 
-def untiled(step):
-    """step (a runner) with our MoE on one unit per program at every token count (the path before expert-sorted
-    tiles), op by op too (host_us)."""
+def patched_step(step, swap):
+    """step (a runner) with swap() in force while it runs, op by op too (host_us); swap returns its undo."""
     def patched(fn):
         def run():
-            old, moe_layer.TILES_MIN_UNITS_PER_EXPERT = moe_layer.TILES_MIN_UNITS_PER_EXPERT, float("inf")
+            undo = swap()
             try:
                 fn()
             finally:
-                moe_layer.TILES_MIN_UNITS_PER_EXPERT = old
+                undo()
         return run
 
     run = patched(step)
     run.ops = [patched(op) for op in step.ops]
     return run
+
+
+def untiled(step):
+    """step with our MoE on one unit per program at every token count (the path before expert-sorted tiles)."""
+    def swap():
+        old, moe_layer.TILES_MIN_UNITS_PER_EXPERT = moe_layer.TILES_MIN_UNITS_PER_EXPERT, float("inf")
+        return lambda: setattr(moe_layer, "TILES_MIN_UNITS_PER_EXPERT", old)
+    return patched_step(step, swap)
+
+
+def unbound(step):
+    """step with our linears above their bound rows through each part's kernel apply (Triton's own launch of both
+    kernels, the pad, trims and concatenation: the path before kernels/bound_reconstruct.py)."""
+    def swap():
+        old, BoundLinear.rebuilt = BoundLinear.rebuilt, BoundLinear.unfused
+        return lambda: setattr(BoundLinear, "rebuilt", old)
+    return patched_step(step, swap)
 
 
 def agreement(cfg, layers, rows: int) -> dict:
@@ -283,6 +299,8 @@ def main() -> int:
                         help="also time our linears on the tiled path up to ROWS rows (ours_tiled; rows > 16)")
     parser.add_argument("--units", action="store_true",
                         help="also time our MoE one unit per program where it would take tiles (ours_units)")
+    parser.add_argument("--unbound", action="store_true",
+                        help="also time our linears above 16 rows through the kernels' apply (ours_unbound)")
     args = parser.parse_args()
     TILED[0] = args.tiled
     if args.smoke:
@@ -329,6 +347,8 @@ def main() -> int:
                     row["ours"] = measure(ours, rows, not args.no_graph)
                     if 16 < rows <= TILED[0]:
                         row["ours_tiled"] = measure(tiled, rows, not args.no_graph)
+                    if args.unbound and rows > 16:
+                        row["ours_unbound"] = measure(unbound(ours), rows, not args.no_graph)
                     if args.units and "experts" in cfg and \
                             rows * cfg["top_k"] >= moe_layer.TILES_MIN_UNITS_PER_EXPERT * cfg["experts"]:
                         row["ours_units"] = measure(untiled(ours), rows, not args.no_graph)
@@ -372,7 +392,7 @@ def table(results: list[dict]) -> None:
         o, e = r.get("ours", {}), r.get("exl3", {})
         log(f"{r['model']:9s} {r['rows']:5d} {cells(o) if o else '-':>40s} | {cells(e) if e else '-':>40s} | "
             f"{ratio(o, e)}")
-        for variant in ("tiled", "units"):
+        for variant in ("tiled", "units", "unbound"):
             if f"ours_{variant}" in r:
                 log(f"{'  ' + variant:15s} {cells(r[f'ours_{variant}']):>40s} | {'':40s} | {ratio(r[f'ours_{variant}'], e)}")
 

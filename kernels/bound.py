@@ -10,7 +10,7 @@ no Triton argument binding.
 Rows: up to MAX_ROWS one 16-row dot tile (the FMA ring kernel for one row at FMA_ONE_ROW_BITS); above, with
 EXL3LOCAL_TILED_MAX_ROWS set, the same fused kernel with TILE_ROWS-row tiles (triton_gemv.tiled_config: each
 weight decoded once per 64 rows, never written out), up to that many rows; more rows leave the bound launches
-(BoundLinear.unfused: the kernels' apply, i.e. the fp16 reconstruct path).
+(BoundLinear.rebuilt: the fp16 reconstruct path, its launches bound per part by kernels/bound_reconstruct.py).
 
 Launching and scratch: kernels/launcher.py (DirectLaunch, Workspace). A fused layer's parts in one grid:
 kernels/bound_group.py (GroupLaunch).
@@ -24,6 +24,7 @@ import triton
 from exl3local import env
 from exl3local.kernels import selftest
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, HADAMARD_SCALE
+from exl3local.kernels.bound_reconstruct import ReconstructLaunch
 from exl3local.kernels.launcher import DirectLaunch, Workspace
 from exl3local.kernels.triton_decode import rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel
@@ -232,8 +233,9 @@ class BoundLinear:
     Parts (fused vLLM layers: q/k/v, gate/up) share x, each with its own suh and bits. Up to max_rows rows,
     parts at one rate in one allocation run as one GroupLaunch (two launches for the whole layer); otherwise
     every part is two launches writing its columns of the output in place: x's padding to k and the
-    output's trim to out_features are masks in the kernels, the bias is added in the epilogue. More rows,
-    or a part whose kernel is not Triton, take each kernel's `apply` (pad, per part, trim, concatenate)."""
+    output's trim to out_features are masks in the kernels, the bias is added in the epilogue. More rows
+    take the reconstruct path with its launches bound per part (`rebuilt`); a part whose kernel is not Triton makes
+    every call take each kernel's `apply` (pad, per part, trim, concatenate)."""
 
     def __init__(self, parts, in_features: int, bias: torch.Tensor | None = None) -> None:
         """parts: [(kernel (dispatch.Exl3Kernel), trellis, suh, svh, out_features)] in output order."""
@@ -243,6 +245,7 @@ class BoundLinear:
         self.out_features = sum(part[4] for part in self.parts)
         self.bias = bias
         self.launches = None
+        self.rebuilds = None  # the parts' ReconstructLaunch, made on the first call above max_rows
         self.max_rows = MAX_ROWS
         group = None
         if all(kernel.backend == "triton" for kernel, *_ in self.parts):
@@ -279,6 +282,8 @@ class BoundLinear:
             return y + self.bias if self.bias is not None else y
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         rows = x2d.shape[0]
+        if self.launches and rows > self.max_rows:
+            return self.rebuilt(x)
         if self.launches is None or not 0 < rows <= self.max_rows:
             return self.unfused(x)
         if x2d.stride(-1) != 1:
@@ -287,6 +292,23 @@ class BoundLinear:
         for launch, start, out in self.launches:
             launch.launch(x2d, y[:, start:] if start else y, rows, k_valid=self.in_features, n_out=out)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def rebuilt(self, x: torch.Tensor) -> torch.Tensor:
+        """More rows than the bound launches serve, Triton parts: the reconstruct path bound per part
+        (kernels/bound_reconstruct.py), the same bits as `unfused`."""
+        if self.rebuilds is None:
+            self.rebuilds = [ReconstructLaunch(trellis, suh, svh, kernel.spec.bits, kernel.spec.codebook,
+                                               self.in_features) for kernel, trellis, suh, svh, _ in self.parts]
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        y = torch.empty(x2d.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        start = 0
+        for rebuild, (*_, out) in zip(self.rebuilds, self.parts):
+            rebuild.into(x2d, y, start, out)
+            start += out
+        y = y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
 
     def unfused(self, x: torch.Tensor) -> torch.Tensor:
         pad = self.size_k - x.shape[-1]

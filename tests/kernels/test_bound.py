@@ -114,11 +114,20 @@ def test_fused_layer_pads_trims_and_adds_bias(make_layer, relative_error, kernel
 
 
 def test_more_rows_than_a_tile_take_the_reconstruct_path(make_layer, kernel_device):
-    trellis, suh, svh = make_layer(128, 128, 4, "mul1", seed=6)
-    kernel = prepare(KernelSpec(128, 128, 4, "mul1", torch.float32), kernel_device, "triton")
-    layer = BoundLinear([(kernel, trellis, suh, svh, 128)], 128)
-    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(6)).to(kernel_device)
-    assert torch.equal(layer(x), kernel.apply(x, trellis, suh, svh))
+    """Above the bound launches' rows: the reconstruct path with its launches bound per part (bound_reconstruct),
+    the same bits as the kernels' own apply per part (padded x, trimmed parts, concatenated, bias added)."""
+    parts = []
+    for seed, (n, out, bits, codebook) in enumerate([(256, 200, 4, "mul1"), (128, 128, 3, "mcg")]):
+        trellis, suh, svh = make_layer(128, n, bits, codebook, seed=6 + seed)
+        parts.append((prepare(KernelSpec(128, n, bits, codebook, torch.float32), kernel_device, "triton"), trellis,
+                      suh, svh, out))
+    bias = torch.randn(328, generator=torch.Generator().manual_seed(6)).to(kernel_device)
+    layer = BoundLinear(parts, 100, bias)
+    x = torch.randn(2, 10, 100, generator=torch.Generator().manual_seed(6)).to(kernel_device)
+    y = layer(x)
+    assert layer.rebuilds is not None and y.shape == (2, 10, 328)
+    assert torch.equal(y, layer.unfused(x))
+    assert torch.equal(layer(x), y)  # on a GPU the second call runs through the direct launches
 
 
 @pytest.mark.parametrize("codebook,bits,rows,splits", [("mul1", 4, 20, 2), ("3inst", 3, 70, 1), ("mul1", 2.5, 17, 2)])

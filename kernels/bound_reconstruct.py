@@ -1,0 +1,72 @@
+"""More rows than a layer's bound decode launches serve (kernels/bound.py's BoundLinear above its max_rows): the
+reconstruct path of triton_gemm (W_r = fp16(fp16(Ŵ·Hn)⊙svh) rebuilt per call, u = fp16(H(x⊙suh)), vendor fp16
+matmul), with both Triton kernels bound once per part and launched through DirectLaunch, and each part's product
+copied into its columns of the layer's output.
+
+The same kernels, arguments and rounding points as TritonLinearKernel.apply's reconstruct path (so the same bits),
+without what that path spends on the host per call: Triton's argument binding for two launches per part (tens of
+µs each), the pad of x to k (the input kernel masks features past k_valid to zero instead), the per-part trims and
+the concatenation. The 35B 64-token eager step was host-bound (46 ms eager vs 27 ms in a graph, 1110 launches;
+docs/PERF.md "Session 8").
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from exl3local.kernels import selftest
+from exl3local.kernels.hadamard import HADAMARD_SCALE
+from exl3local.kernels.launcher import DirectLaunch
+from exl3local.kernels.triton_decode import rate_constants, words
+from exl3local.kernels.triton_gemm import _right_reconstruct_kernel
+from exl3local.kernels.triton_hadamard import _input_kernel, hadamard_operands, rows_per_program
+
+INPUT_VARYING = ("x_ptr", "u_ptr", "M", "stride_xm")
+REBUILD_VARYING = ("out_ptr",)
+
+
+class ReconstructLaunch:
+    """One part (trellis, suh, svh at one rate) on the reconstruct path, bound: `into(x, y, start, out)` writes
+    x·W's first `out` columns into y[:, start:start + out]."""
+
+    def __init__(self, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str,
+                 in_features: int) -> None:
+        device = trellis.device
+        tiles_k, tiles_n, _ = trellis.shape
+        self.size_k, self.size_n = tiles_k * 16, tiles_n * 16
+        interpret = not isinstance(_input_kernel, triton.runtime.JITFunction) or device.type == "cpu"
+        plain = interpret or selftest.direct_launch_refusal(device) is not None  # as FusedLaunch decides
+        self.input = DirectLaunch(_input_kernel, INPUT_VARYING, plain)
+        self.rebuild = DirectLaunch(_right_reconstruct_kernel, REBUILD_VARYING, plain, num_warps=4)
+        had = hadamard_operands(device)
+        # Keep the bound tensors referenced: the compiled argument lists hold only their addresses.
+        self.input_fixed = dict(suh_ptr=suh, ids_ptr=suh, had_ptr=had, size_k=self.size_k, x_div=1,
+                                k_valid=in_features, HAS_IDS=False, SCALE=HADAMARD_SCALE, PAIRS=False, GLU=False)
+        per_program = next(rows for rows in (32, 16, 8) if tiles_k % rows == 0)  # triton_gemm.right_reconstruct's
+        self.rebuild_grid = (tiles_n // 8, tiles_k // per_program, 1)
+        self.rebuild_fixed = dict(w_ptr=words(trellis), had_ptr=had, svh_ptr=svh, tiles_n=tiles_n,
+                                  tk_per_program=per_program, **rate_constants(bits, codebook), SCALE=HADAMARD_SCALE,
+                                  KT=4)
+        if interpret:
+            self.stream = lambda: 0
+        else:
+            get = triton.runtime.driver.active.get_current_stream
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.stream = lambda: get(index)
+
+    def into(self, x: torch.Tensor, y: torch.Tensor, start: int, out: int) -> None:
+        """y[:, start:start + out] = (x·W)[:, :out] through fp16, as TritonLinearKernel.apply rounds it (x: rows ×
+        in_features with unit stride in features)."""
+        rows = x.shape[0]
+        stream = self.stream()
+        u = torch.empty(rows, self.size_k, dtype=torch.float16, device=x.device)
+        w = torch.empty(self.size_k, self.size_n, dtype=torch.float16, device=x.device)
+        block_m = rows_per_program(rows)
+        key = (block_m, x.dtype, x.data_ptr() % 16 == 0)
+        self.input((triton.cdiv(rows, block_m), self.size_k // 128, 1), stream, key,
+                   dict(self.input_fixed, BM=block_m), (x, u, rows, x.stride(0)),
+                   (x.data_ptr(), u.data_ptr(), rows, x.stride(0)))
+        self.rebuild(self.rebuild_grid, stream, (), self.rebuild_fixed, (w,), (w.data_ptr(),))
+        product = u @ w
+        y[:, start:start + out].copy_(product[:, :out] if out != self.size_n else product)
