@@ -11,6 +11,7 @@
 // 16 -> 2 column reduction happens once per output tile, not once per weight.
 #if defined(EXL3_AVX512)
 #include "exl3_cpu_avx512.h"
+#include "exl3_cpu_amx.h"
 #elif defined(EXL3_AVX2)
 #include "exl3_cpu_avx2.h"
 #else
@@ -154,6 +155,35 @@ void exl3_cpu_output_transform(const float* z, const float* svh, float* y, int m
         fwht128(t);
         for (int i = 0; i < 128; ++i) y[(size_t)row * n + col + i] = t[i] * svh[col + i];
     }
+}
+
+// 1 where this library has the AMX prefill and the OS grants this process AMX state (the caller checks the CPU's
+// AMX-BF16 and AVX512-BF16 flags), else 0.
+int exl3_cpu_amx() {
+#ifdef EXL3_HAVE_AMX
+    return amx_permitted() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// y (m, n) = H(x · W') ⊙ svh (+ bias), x (m, k) bf16, W' = diag(suh) · H · Ŵ split into `planes` bf16 planes (3:
+// W' exactly, every product exact; fewer: W' rounded, only for measuring what the third plane costs); y bf16 or fp32.
+void exl3_cpu_gemm_amx(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const uint16_t* x,
+                       const float* suh, const float* svh, const float* bias, void* y, int y_bf16, int m, int planes,
+                       int threads) {
+#ifdef EXL3_HAVE_AMX
+    if (!amx_permitted() || planes < 1 || planes > AMX_MAX_PLANES || m < 1) __builtin_trap();
+    const Rate& r = rate_for(bits2);
+    if (codebook == CB_MUL1)
+        gemm_amx_impl<CB_MUL1>(trellis, tiles_k, tiles_n, r, x, suh, svh, bias, y, y_bf16, m, planes, threads);
+    else if (codebook == CB_MCG)
+        gemm_amx_impl<CB_MCG>(trellis, tiles_k, tiles_n, r, x, suh, svh, bias, y, y_bf16, m, planes, threads);
+    else
+        gemm_amx_impl<CB_3INST>(trellis, tiles_k, tiles_n, r, x, suh, svh, bias, y, y_bf16, m, planes, threads);
+#else
+    __builtin_trap();  // ops.amx_active never calls it where exl3_cpu_amx() is 0
+#endif
 }
 
 void exl3_cpu_input_transform(const float* x, const float* suh, float* u, int m, int k, int threads) {

@@ -7,7 +7,9 @@
     y = layer(x)                                          # (..., in_features) -> (..., Σ n), one library call
 
 GEMV (m <= GEMV_MAX_ROWS): one pass over the trellis, Ŵ decoded in registers, both Hadamard transforms in
-the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations, not exact (int8_active). GEMM (more rows): Ŵ decoded once per strip of columns into fp32, multiplied by torch's BLAS.
+the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations, not exact (int8_active). GEMM (more rows):
+bf16 activations on AMX where the CPU has it (amx_active: exact, W' in three bf16 planes), else Ŵ decoded once per
+strip of columns into fp32 and multiplied by torch's BLAS.
 Both use torch's intra-op thread count (the engine's threads) and, since the library links the same
 OpenMP runtime torch loaded (libgomp.so.1), the same worker threads.
 """
@@ -32,6 +34,9 @@ STRIP_ELEMENTS = 2 << 20
 # Rows per pass of the GEMM path (a chunked prefill sends up to max_num_batched_tokens): each strip is decoded once
 # per pass, and the workspace stays bounded (u: GEMM_ROWS x k fp32).
 GEMM_ROWS = 512
+# bf16 planes of W' = diag(suh)·H·Ŵ in the AMX GEMM (exl3_cpu_amx.h): three hold W' exactly, so with bf16 x every
+# product is exact and AMX sums in fp32 (two would round W' to 16 significand bits: not exact).
+AMX_PLANES = 3
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
@@ -58,6 +63,8 @@ _SIGNATURES = {
     "exl3_cpu_decode": ((_P, _I, _I, _I, _I, _P, _I, _I, _P, _I), None),
     "exl3_cpu_output_transform": ((_P, _P, _P, _I, _I, _I), None),
     "exl3_cpu_input_transform": ((_P, _P, _P, _I, _I, _I), None),
+    "exl3_cpu_amx": ((), _I),
+    "exl3_cpu_gemm_amx": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I), None),
 }
 
 
@@ -99,6 +106,15 @@ def int8_active(codebook: str, lib: ctypes.CDLL | None = None, requested: bool |
     return bool(requested) and codebook == "mul1" and (lib or library()).exl3_cpu_tier() == 512
 
 
+@functools.cache
+def amx_active(lib: ctypes.CDLL) -> bool:
+    """Whether the GEMM path runs bf16 activations on AMX: the avx512 library, a CPU with AMX-BF16 and AVX512-BF16,
+    and the OS granting AMX state. Exact like the fp32 path (AMX_PLANES); elsewhere the GEMM path is fp32 BLAS."""
+    flags = build.cpu_flags()
+    return (lib.exl3_cpu_tier() == 512 and "amx_bf16" in flags and "avx512_bf16" in flags
+            and bool(lib.exl3_cpu_amx()))
+
+
 def _bits2(bits: float) -> int:
     return int(round(2 * bits))
 
@@ -128,6 +144,7 @@ class CpuLinear:
             raise ValueError("the CPU kernel reads the trellis as stored: it must be contiguous")
         _bind_operands(self, library(tier), trellis, trellis.shape[0], trellis.shape[1], suh, svh, bits, codebook)
         self.int8 = int8_active(codebook, self.lib, int8)
+        self.amx = amx_active(self.lib)
 
     def path_for(self, rows: int) -> str:
         if rows > GEMV_MAX_ROWS:
@@ -156,6 +173,8 @@ class CpuLinear:
         """Up to GEMM_ROWS rows per pass: u = H(x ⊙ suh) in the workspace, then per strip of columns Ŵ decoded once,
         one BLAS matmul, the output transform, and the strip cast into the output. Every fp32 intermediate lives
         in this thread's workspace, so a prefill leaves no large freed buffers behind (the heap would keep them)."""
+        if self.amx and x.dtype == torch.bfloat16:
+            return self._gemm_amx(x, out_dtype, bias, threads)
         k, n = self.size_k, self.size_n
         out = torch.empty(x.shape[0], n, dtype=out_dtype)
         strip_tiles = max(8, (STRIP_ELEMENTS // k) // 128 * 8)
@@ -181,6 +200,20 @@ class CpuLinear:
                     y += bias[16 * tn0 : 16 * tn1]
                 out[r0 : r0 + rows, 16 * tn0 : 16 * tn1] = y
         return out
+
+    def _gemm_amx(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
+                  threads: int) -> torch.Tensor:
+        """bf16 x on AMX: y = H(x · W') ⊙ svh (+ bias) per 128-column panel, W' decoded, transformed and split into
+        bf16 planes inside the library (no workspace here); the fp32 sums are rounded once into a bf16 output."""
+        x = x.contiguous()
+        y_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+        y = torch.empty(x.shape[0], self.size_n, dtype=y_dtype)
+        bias = bias.float().contiguous() if bias is not None else None
+        self.lib.exl3_cpu_gemm_amx(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
+                                   x.data_ptr(), self.suh.data_ptr(), self.svh.data_ptr(),
+                                   bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                   int(y.dtype == torch.bfloat16), x.shape[0], AMX_PLANES, threads)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
     def decode_into(self, out: torch.Tensor, tn0: int, tn1: int, threads: int | None = None) -> None:
         """Ŵ[:, 16*tn0 : 16*tn1] into `out` (k, 16*(tn1-tn0)) fp32, contiguous."""

@@ -1,0 +1,72 @@
+"""The CPU GEMM path on AMX (kernels/cpu/exl3_cpu_amx.h): bf16 activations times W' = diag(suh)·H·Ŵ in three bf16
+planes, exact like the fp32 path (every product exact, fp32 sums), and the fp32 path wherever AMX is not there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3local.kernels import reference
+from exl3local.kernels.cpu import ops
+from exl3local.kernels.hadamard import hadamard_128
+
+pytestmark = pytest.mark.skipif(not ops.amx_active(ops.library()), reason="this CPU (or OS) gives no AMX-BF16")
+
+
+def _layer(size_k, size_n, bits, codebook, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    trellis = torch.randint(-32768, 32768, (size_k // 16, size_n // 16, reference.words_per_tile(bits)),
+                            generator=g, dtype=torch.int16)
+    return trellis, (torch.randn(size_k, generator=g) * 0.1).half(), (torch.randn(size_n, generator=g) * 0.1).half()
+
+
+def _truth(lin, x):
+    """H(H(x ⊙ suh) · Ŵ) ⊙ svh in fp64, Ŵ from the (bit-exact) decoder."""
+    h = hadamard_128().double()
+    rows = lambda v: (v.reshape(-1, 128) @ h).reshape(v.shape)  # noqa: E731
+    return rows(rows(x.double() * lin.suh.double()) @ lin.decode().double()) * lin.svh.double()
+
+
+def _planes(lin, x, planes):
+    y = torch.empty(x.shape[0], lin.size_n)
+    lin.lib.exl3_cpu_gemm_amx(lin.trellis.data_ptr(), lin.tiles_k, lin.tiles_n, lin.bits2, lin.codebook, x.data_ptr(),
+                              lin.suh.data_ptr(), lin.svh.data_ptr(), None, y.data_ptr(), 0, x.shape[0], planes, 1)
+    return y
+
+
+@pytest.mark.parametrize("codebook,bits,rows", [("mul1", 4, 40), ("3inst", 3, 9), ("mcg", 2, 64)])
+def test_amx_gemm_is_as_exact_as_the_fp32_path(codebook, bits, rows):
+    """Against fp64: no worse than the fp32 path (the reference's steps); two planes (W' rounded to 16 bits) are
+    measurably worse, so the third plane is what makes it exact. Row counts with and without a partial 32-row block."""
+    trellis, suh, svh = _layer(384, 256, bits, codebook, seed=rows)
+    lin = ops.CpuLinear(trellis, suh, svh, bits, codebook)
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(1)).bfloat16()
+    truth = _truth(lin, x)
+    got = lin(x, torch.float32)
+    assert torch.equal(got, _planes(lin, x, ops.AMX_PLANES))  # the bf16 GEMM path is the AMX one
+    fp32_path = reference.linear(x.float(), trellis, suh, svh, bits, codebook)
+    torch.testing.assert_close(got, fp32_path, rtol=1e-5, atol=1e-5)
+    err = (got.double() - truth).abs().max().item()
+    assert err <= 1.5 * (fp32_path.double() - truth).abs().max().item() + 1e-9
+    assert (_planes(lin, x, 2).double() - truth).abs().max().item() > 4 * err
+
+
+def test_amx_bf16_output_is_the_fp32_sums_rounded_once_with_bias():
+    trellis, suh, svh = _layer(256, 384, 4, "mul1")
+    lin = ops.CpuLinear(trellis, suh, svh, 4, "mul1")
+    x = torch.randn(33, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    bias = torch.randn(384).half()
+    want = lin(x, torch.float32, bias)
+    assert torch.equal(lin(x, torch.bfloat16, bias), want.bfloat16())
+    torch.testing.assert_close(want, reference.linear(x.float(), trellis, suh, svh, 4, "mul1", bias), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_without_amx_bf16_goes_through_the_fp32_path(monkeypatch):
+    trellis, suh, svh = _layer(256, 256, 4, "mul1")
+    lin = ops.CpuLinear(trellis, suh, svh, 4, "mul1")
+    x = torch.randn(12, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    amx = lin(x, torch.float32)
+    lin.amx = False
+    monkeypatch.setattr(lin.lib, "exl3_cpu_gemm_amx", None)  # calling it now would fail the test
+    torch.testing.assert_close(lin(x, torch.float32), amx, rtol=1e-5, atol=1e-5)
