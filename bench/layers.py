@@ -7,6 +7,8 @@ tensors on every side, µs per call (eager wall clock over back-to-back calls; C
     groups  one GroupLaunch per fused layer vs a launch pair per part (issue 21 item 5; M = 1, 4, 16)
     flat    the decode-in-registers path (M = 1, 16) with the trellis words loaded through flat indices (lane-linear
             at every rate, the default) vs as [KT, BNT, 32/G] tensors (the compiler's choice of lanes), graph µs
+    host    above 16 rows: the reconstruct path's launches bound per part vs each part's kernel apply, host µs per
+            call (GPU kept busy) and eager µs per call, per linear group of both models
     config  the decode path at M = 1, 4 per 27B linear group with other (KT, warps, register cap) than the served
             ones (issue 21 item 2: occupancy and instructions per weight), graph µs and error vs the served config
 
@@ -14,6 +16,7 @@ tensors on every side, µs per call (eager wall clock over back-to-back calls; C
     python3 -P bench/layers.py groups --out $OUT
     python3 -P bench/layers.py flat --bits 3 --out $OUT
     python3 -P bench/layers.py config --rows 1,4 --out $OUT
+    python3 -P bench/layers.py host --rows 64,32 --out $OUT
 """
 
 from __future__ import annotations
@@ -142,6 +145,43 @@ def bench_flat(rows_list, bits: float, codebook: str, deadline: float = 0) -> li
     return out
 
 
+def host_call_us(fn, calls: int = 20) -> float:
+    """Host µs per call with the GPU kept busy (a sleep kernel queued first), so the loop measures issuing only."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: every launch below just queues
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def bench_host(rows_list, bits: float, codebook: str) -> list[dict]:
+    """Every linear group of both models above the bound rows: the reconstruct path with its launches bound
+    (kernels/bound_reconstruct.py) vs through each part's kernel apply (BoundLinear.unfused), host µs per call
+    (host_call_us) and eager µs per call (back to back, one sync)."""
+    gen = torch.Generator(device=DEVICE[0]).manual_seed(10)
+    out = []
+    for (k, parts), label in linear_groups(("35b-a3b", "27b")).items():
+        lin = Linear(gen, k, list(parts), bits, codebook)
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen, device=DEVICE[0]).half()
+            row = dict(kind="host", shape=label, k=k, parts=list(parts), rows=rows)
+            for tag, fn in (("bound", lambda: lin.ours(x)), ("apply", lambda: lin.ours.unfused(x))):
+                row[f"{tag}_host_us"] = host_call_us(fn)
+                row[f"{tag}_eager_us"] = eager_us(fn, min_s=0.2, max_reps=500)
+            row["same_bits"] = bool(torch.equal(lin.ours(x), lin.ours.unfused(x)))
+            out.append(row)
+            log(json.dumps(row))
+    log("\nlinear group                M   bound host/eager µs   apply host/eager µs   same bits")
+    for r in out:
+        log(f"{r['shape']:26s} {r['rows']:3d}   {r['bound_host_us']:8.1f} {r['bound_eager_us']:8.1f}   "
+            f"{r['apply_host_us']:8.1f} {r['apply_eager_us']:8.1f}   {r['same_bits']}")
+    return out
+
+
 # (KT, warps, maxnreg): the served config first (triton_gemv.ring_dot_config; no register cap)
 CONFIGS = ((None, None, None), (None, 8, None), (2, 4, None), (2, 8, None), (None, None, 64), (None, None, 96))
 
@@ -232,7 +272,7 @@ def bench_groups(rows_list, bits: float, codebook: str) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("tiled", "groups", "flat", "config"))
+    parser.add_argument("what", choices=("tiled", "groups", "flat", "config", "host"))
     parser.add_argument("--rows", default=None, help="comma-separated row counts")
     parser.add_argument("--sweep-rows", type=int, default=64)
     parser.add_argument("--bits", type=float, default=4)
@@ -249,6 +289,8 @@ def main() -> int:
     elif args.what == "config":
         results = bench_config([int(r) for r in (args.rows or "1,4").split(",")], args.bits, args.codebook,
                                args.deadline)
+    elif args.what == "host":
+        results = bench_host([int(r) for r in (args.rows or "64,32").split(",")], args.bits, args.codebook)
     elif args.what == "flat":
         results = bench_flat([int(r) for r in (args.rows or "1,16").split(",")], args.bits, args.codebook,
                              args.deadline)

@@ -128,6 +128,8 @@ def test_more_rows_than_a_tile_take_the_reconstruct_path(make_layer, kernel_devi
     assert layer.rebuilds is not None and y.shape == (2, 10, 328)
     assert torch.equal(y, layer.unfused(x))
     assert torch.equal(layer(x), y)  # on a GPU the second call runs through the direct launches
+    whole = BoundLinear(parts[1:], 100)  # one part, all its columns, fp16: the product goes straight into y
+    assert torch.equal(whole(x.half()), whole.unfused(x.half()))
 
 
 @pytest.mark.parametrize("codebook,bits,rows,splits", [("mul1", 4, 20, 2), ("3inst", 3, 70, 1), ("mul1", 2.5, 17, 2)])
