@@ -1,13 +1,14 @@
 """EXL3 linears on the CPU without an engine, against torch bf16 on weights of the same shapes (split from
 bench/cpu_decode.py, which runs the engines and calls `linears` for its per-linear part).
 
-    python -P bench/cpu_linears.py [--step [--repeat 3]] [--threads N] [--tier avx2vnni] [--layers 4] ...
+    python -P bench/cpu_linears.py [--step | --prefill 512] [--repeat 3] [--threads N] [--tier avx2vnni] ...
 
 Default: per linear shape (one row, weights cycled through copies larger than the L3 cache) ns per weight and GB/s
 of weight bytes read, as wall time and as CPU time of all threads, next to this machine's read bandwidth (a 1 GiB
 sum). --step: one decoded token's linears for every layer through the plugin's BoundLinear, with one library call per
-fused layer (the default) and with one per part, against F.linear, alternating in one process. --tier forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g.
-the AVX2 laptop tiers on an AVX-512 machine.
+fused layer (the default) and with one per part, against F.linear, alternating in one process. --prefill M: the GEMM
+path per linear shape at M bf16 rows (AMX where the CPU has it, and fp32 BLAS) against vLLM's bf16 linear. --tier
+forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g. the AVX2 laptop tiers on an AVX-512 machine.
 """
 
 from __future__ import annotations
@@ -120,6 +121,42 @@ def linear_step(args, cfg: dict) -> None:
           f"{best['bf16'] / best['exl3, one call per part']:.2f}x); load {os.getloadavg()[0]:.1f}")
 
 
+def linear_prefill(args, cfg: dict) -> None:
+    """Per linear shape, a prefill's M bf16 rows: kernels/cpu's GEMM path on AMX (the default where the CPU has it)
+    and on fp32 BLAS (the path before, and elsewhere) against vLLM's own bf16 linear (oneDNN on prepacked weights,
+    what the bf16 engine runs), alternating in one process; best CPU ms of --repeat."""
+    import torch
+    from vllm import _custom_ops as vllm_ops
+
+    from exl3local.kernels.cpu import ops
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hidden, inter, m = cfg["hidden_size"], cfg["intermediate_size"], args.prefill
+    g = torch.Generator().manual_seed(0)
+    for k, n in ((hidden, hidden), (hidden, 2 * inter), (inter, hidden)):
+        trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * args.bits), dtype=torch.int16, generator=g)
+        lin = ops.CpuLinear(trellis, (torch.randn(k, generator=g) * k**-0.5).half(), torch.randn(n, generator=g).half(),
+                            args.bits, "mul1")
+        fp32 = ops.CpuLinear(lin.trellis, lin.suh, lin.svh, args.bits, "mul1")
+        fp32.amx = False
+        x = torch.randn(m, k, generator=g).bfloat16()
+        handler = vllm_ops.create_onednn_mm(torch.randn(n, k, generator=g).bfloat16().t(), 32)
+        runs = {"bf16 (vLLM oneDNN)": lambda: vllm_ops.onednn_mm(handler, x, None),
+                "exl3 GEMM " + ("AMX" if lin.amx else "fp32 (no AMX)"): lambda: lin(x, torch.bfloat16),
+                "exl3 GEMM fp32 BLAS": lambda: fp32(x, torch.bfloat16)}
+        best: dict[str, float] = {}
+        for _ in range(args.repeat):
+            for name, fn in runs.items():
+                cpu0 = time.process_time()
+                fn()
+                best[name] = min(best.get(name, 1e9), (time.process_time() - cpu0) * 1e3)
+        bf16 = best["bf16 (vLLM oneDNN)"]
+        print(f"prefill {m} rows, {k}x{n} ({torch.get_num_threads()} threads), best CPU ms of {args.repeat}: "
+              + ", ".join(f"{name} {ms:.1f} ({bf16 / ms:.2f}x)" for name, ms in best.items())
+              + f"; load {os.getloadavg()[0]:.1f}", flush=True)
+
+
 def read_bandwidth() -> float:
     import torch
 
@@ -157,12 +194,13 @@ def main() -> None:
     parser.add_argument("--step", action="store_true", help="one decode step's linears instead of per linear")
     parser.add_argument("--repeat", type=int, default=3, help="--step: alternate the variants this many times")
     parser.add_argument("--tier", help="force this ISA tier (sets EXL3LOCAL_CPU_TIER)")
+    parser.add_argument("--prefill", type=int, metavar="M", help="the GEMM path at M rows instead (AMX, fp32, bf16)")
     args = parser.parse_args()
     if args.tier:
         os.environ["EXL3LOCAL_CPU_TIER"] = args.tier
     cfg = model_config(args)
-    if args.step:
-        linear_step(args, cfg)
+    if args.step or args.prefill:
+        (linear_prefill if args.prefill else linear_step)(args, cfg)
         return
     results: dict = {}
     linears(args, cfg, results)
