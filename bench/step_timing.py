@@ -56,11 +56,15 @@ def graph_us(fn, reps: int = 20) -> float:
 
 def host_us(fn) -> float:
     """CPU µs to issue one step while the GPU is kept busy, summed op by op: a whole step can hold more
-    launches than the launch queue, and a full queue would make the host wait on the device."""
+    launches than the launch queue, and a full queue would make the host wait on the device. The queue is
+    drained before each op: without that the sleeps and launches of earlier ops piled up, and from ~1000 launches
+    per step (35B at 32 and 64 tokens: 1110-1280) every op waited for queue slots (92-113 ms "host" for steps
+    that ran in 25-40 ms eager; docs/PERF.md "Session 9")."""
     fn.ops[0]()
     torch.cuda.synchronize()
     total = 0.0
     for op in fn.ops:
+        torch.cuda.synchronize()
         torch.cuda._sleep(4_000_000)  # ~2 ms of GPU work queued ahead of this op's launches
         start = time.perf_counter()
         op()
