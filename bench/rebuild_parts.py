@@ -2,7 +2,10 @@
 (triton_gemm.right_reconstruct: decode + H·svh in the weight), the plain dense decode (triton_decode.decode_dense),
 the input transform and the fp16 matmul at 32 and 64 rows. Random mul1 K4 trellis.
 
-    python3 -P bench/rebuild_parts.py     # on the H200 (source bench/device-setup.sh first)
+    python3 -P bench/rebuild_parts.py [--sweep]    # on the H200 (source bench/device-setup.sh first)
+
+--sweep: the rebuild alone at other (tile rows per program, KT, warps) than triton_gemm.right_reconstruct's default
+(32, 4, 4), bit-identical W_r checked.
 """
 
 from __future__ import annotations
@@ -17,6 +20,20 @@ from step_timing import graph_us, log  # noqa: E402
 
 from exl3local.kernels import triton_decode, triton_gemm  # noqa: E402
 from exl3local.kernels.triton_hadamard import input_transform  # noqa: E402
+
+
+SWEEP = [(rows, kt, warps) for rows in (16, 32, 64) for kt in (2, 4, 8) for warps in (4, 8) if rows >= 2 * kt]
+
+
+def sweep(trellis: torch.Tensor, svh: torch.Tensor, label: str) -> None:
+    served = triton_gemm.right_reconstruct(trellis, svh, 4, "mul1")
+    out = {}
+    for rows, kt, warps in SWEEP:
+        def call():
+            return triton_gemm.right_reconstruct(trellis, svh, 4, "mul1", rows, kt, warps)
+        same = torch.equal(call(), served)
+        out[f"r{rows}_kt{kt}_w{warps}"] = f"{graph_us(call, reps=50):.1f}" + ("" if same else " DIFFERS")
+    log(f"{label} rebuild sweep (tile rows, KT, warps) µs: {out}")
 
 
 def main() -> int:
@@ -34,6 +51,8 @@ def main() -> int:
             row[f"input_{rows}_us"] = graph_us(lambda: input_transform(x, suh), reps=50)
             row[f"mm_{rows}_us"] = graph_us(lambda: u @ w, reps=50)
         log(f"{k}x{n} K4 mul1 {({a: round(b, 1) for a, b in row.items()})}")
+        if "--sweep" in sys.argv:
+            sweep(trellis, svh, f"{k}x{n}")
     return 0
 
 
