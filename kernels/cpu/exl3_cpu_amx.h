@@ -4,7 +4,8 @@
 // and split exactly into bf16 planes (W' = p0 + p1 + p2, 8 significand bits each: fp32's 24), so with three planes
 // every AMX product is exact and the sums stay in fp32: an fp32 GEMM's accuracy at bf16's speed per plane.
 #pragma once
-#if defined(EXL3_AVX512) && defined(__x86_64__) && defined(__GNUC__) && __has_include(<amxbf16intrin.h>)
+#if defined(EXL3_AVX512) && defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) \
+    && __has_include(<amxbf16intrin.h>)
 #define EXL3_HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
