@@ -92,7 +92,12 @@ def summary(cells: dict[str, list[dict]]) -> dict:
         rows = [r for c in rounds for r in c["rows"]]
         out[path] = {"ttft_ms": [1000 * v for v in quartiles([t for t, _, _ in rows])],
                      "decode": quartiles([s for _, s, _ in rows]), "requests": len(rows),
-                     "events": sum(n for _, _, n in rows)}
+                     "events": sum(n for _, _, n in rows),
+                     # the i-th request a round started (gather starts them in order): if the front passes a burst
+                     # on one by one and the later ones miss the engine step the first ones made, their TTFT rises
+                     # with i through the front and not straight to the engine (session 8's c=8 hypothesis)
+                     "ttft_ms_by_start": [1000 * statistics.median(c["rows"][i][0] for c in rounds)
+                                          for i in range(len(rounds[0]["rows"]))]}
     pairs = list(zip(cells["front"], cells["direct"], strict=True))
     diff = [1000 * (statistics.median(r[0] for r in f["rows"]) - statistics.median(r[0] for r in d["rows"]))
             for f, d in pairs]
@@ -111,9 +116,9 @@ def summary(cells: dict[str, list[dict]]) -> dict:
 
 async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int, levels: list[int],
                   daemon: psutil.Process) -> dict:
-    # idle connections dropped by this client before either server drops them (both close after 5 s idle): a POST
-    # sent on a connection the server is closing at that moment fails with "Server disconnected", and httpx's own
-    # expiry is 5 s too (a cell of the other path in between can take about that long)
+    # idle connections dropped by this client before either server drops them (vLLM closes after 5 s idle, the
+    # endpoint after 30 s): a POST sent on a connection the server is closing at that moment fails with "Server
+    # disconnected", and httpx's own expiry is 5 s too (a cell of the other path in between can take about that long)
     limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
     front = httpx.AsyncClient(base_url=endpoint, timeout=600, limits=limits, trust_env=False)
     direct = httpx.AsyncClient(base_url="http://engine", transport=httpx.AsyncHTTPTransport(uds=uds, limits=limits),
@@ -157,6 +162,10 @@ def report(res: dict, head: str) -> None:
               f"  daemon CPU {s['cpu_ms_per_request']:.1f} ms per request, {s['cpu_ms_per_event']:.2f} ms per SSE "
               f"event ({f['events'] / f['requests']:.0f} per request) through the front "
               f"(idle {s['idle_cpu_ms_per_s']:.1f} ms/s subtracted)")
+        if c > 1:
+            print("  TTFT ms p50 by start order in a round  front " +
+                  "/".join(f"{v:.0f}" for v in f["ttft_ms_by_start"]) + "  direct " +
+                  "/".join(f"{v:.0f}" for v in d["ttft_ms_by_start"]))
 
 
 def main() -> None:
