@@ -32,7 +32,7 @@ from exl3local import errors
 from exl3local.api.protocol import ENGINE_ALIVE, EngineState
 from exl3local.daemon import asgi, cors
 from exl3local.daemon.scheduler import SwitchRefused, UnknownModel
-from exl3local.engine.launch import VLLM_API_KEY_ENV
+from exl3local.engine.launch import ENGINE_KEEPALIVE_S, VLLM_API_KEY_ENV
 from exl3local.models import catalog
 
 log = logging.getLogger("exl3local.front")
@@ -56,9 +56,9 @@ ENGINE_PRIVATE = frozenset({
 # default, 5 s, raced httpx's 5 s (the session-8 bench run). The cost is an idle socket per client, 30 s at most.
 IDLE_TIMEOUT_S = 30.0
 ENGINE_CONNECT_TIMEOUT_S = 5.0  # a local socket: more is a stuck engine; reads have no limit (long generations)
-# an idle engine connection is dropped by us before vLLM drops it (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a request
+# an idle engine connection is dropped by us before the engine drops it (launch.ENGINE_KEEPALIVE_S): a request
 # never goes out on a connection the engine is closing at that moment (a POST is not retried)
-ENGINE_KEEPALIVE_S = 4.0
+ENGINE_IDLE_S = ENGINE_KEEPALIVE_S - 5.0
 # what a failed or broken engine connection raises (a connect timeout is both)
 ENGINE_ERRORS = (aiohttp.ClientError, TimeoutError)
 # headers aiohttp would add to a request that lacks them: the client's request goes on as it was sent
@@ -158,7 +158,7 @@ class Front:
         through as the engine sent them."""
         if self._session is None or self._session_uds != uds:
             old, self._session = self._session, aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=uds, limit=0, keepalive_timeout=ENGINE_KEEPALIVE_S),
+                connector=aiohttp.UnixConnector(path=uds, limit=0, keepalive_timeout=ENGINE_IDLE_S),
                 cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, skip_auto_headers=NOT_ADDED,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=ENGINE_CONNECT_TIMEOUT_S))
             self._session_uds = uds

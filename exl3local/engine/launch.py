@@ -36,6 +36,10 @@ API_KEY_FILE_ENV = env.API_KEY_FILE.name
 API_KEY_ENV = env.API_KEY.name
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# How long the engine keeps an idle connection from the daemon's front (vLLM's default: 5 s). Longer, so the
+# front's pooled connections outlive the pauses between a client's requests: a burst of requests then goes out on
+# warm connections instead of each opening one while the engine is busy starting the others.
+ENGINE_KEEPALIVE_S = 60
 # Profile switches vLLM turns on unless told `--no-...`; the others are off unless given.
 VLLM_SWITCHES_ON_BY_DEFAULT = frozenset({"enable_prefix_caching"})
 
@@ -247,6 +251,7 @@ def build(
         "DO_NOT_TRACK": "1",
         "VLLM_PLUGINS": plugins_env(env),
         "HF_HUB_OFFLINE": "1",  # a local directory: nothing to fetch, and no surprise downloads
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEPALIVE_S),
         "TMPDIR": tmpdir,
         # kernel-path counters of this engine only; they go with its TMPDIR
         TRACE_DIR_ENV: str(Path(tmpdir) / "kernel-paths"),
