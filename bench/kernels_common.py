@@ -34,13 +34,14 @@ def timed(fn, graph: bool = False) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def host_us(fn, calls: int = 100) -> float:
-    """Host (CPU) µs per call while the GPU is kept busy, so no call waits on the device."""
+def host_us(fn, calls: int = 100, busy_cycles: int = 40_000_000) -> float:
+    """Host (CPU) µs per call while the GPU is kept busy (`busy_cycles` of a sleep kernel queued first: 40 M is
+    ~20 ms, more for calls whose GPU time would drain it), so no call waits on the device."""
     if DEVICE[0] == "cpu":
         return float("nan")
     fn()
     torch.cuda.synchronize()
-    torch.cuda._sleep(40_000_000)  # ~20 ms of GPU work queued ahead of the calls
+    torch.cuda._sleep(busy_cycles)
     start = time.perf_counter()
     for _ in range(calls):
         fn()

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from exl3_side import Exl3Side  # noqa: E402
+from kernels_common import host_us  # noqa: E402
 from model_step import MODELS, Linear, layer_ops, with_tiled_rows  # noqa: E402
 from step_timing import DEVICE, eager_us, graph_us, log  # noqa: E402
 
@@ -145,23 +146,10 @@ def bench_flat(rows_list, bits: float, codebook: str, deadline: float = 0) -> li
     return out
 
 
-def host_call_us(fn, calls: int = 20) -> float:
-    """Host µs per call with the GPU kept busy (a sleep kernel queued first), so the loop measures issuing only."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: every launch below just queues
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
-
-
 def bench_host(rows_list, bits: float, codebook: str) -> list[dict]:
     """Every linear group of both models above the bound rows: the reconstruct path with its launches bound
     (kernels/bound_reconstruct.py) vs through each part's kernel apply (BoundLinear.unfused), host µs per call
-    (host_call_us) and eager µs per call (back to back, one sync)."""
+    (kernels_common.host_us) and eager µs per call (back to back, one sync)."""
     gen = torch.Generator(device=DEVICE[0]).manual_seed(10)
     out = []
     for (k, parts), label in linear_groups(("35b-a3b", "27b")).items():
@@ -170,7 +158,7 @@ def bench_host(rows_list, bits: float, codebook: str) -> list[dict]:
             x = torch.randn(rows, k, generator=gen, device=DEVICE[0]).half()
             row = dict(kind="host", shape=label, k=k, parts=list(parts), rows=rows)
             for tag, fn in (("bound", lambda: lin.ours(x)), ("apply", lambda: lin.ours.unfused(x))):
-                row[f"{tag}_host_us"] = host_call_us(fn)
+                row[f"{tag}_host_us"] = host_us(fn, calls=20, busy_cycles=200_000_000)  # ~0.1 s
                 row[f"{tag}_eager_us"] = eager_us(fn, min_s=0.2, max_reps=500)
             row["same_bits"] = bool(torch.equal(lin.ours(x), lin.ours.unfused(x)))
             out.append(row)
