@@ -288,3 +288,24 @@ def test_split_k_fills_an_xe2_core_with_sixteen_programs(monkeypatch):
     assert triton_gemv.choose_splits(136, 320, torch.device("cuda")) == 2  # 272 programs >= 4.5 x 32
     assert triton_gemv.choose_splits(136, 320, torch.device("xpu")) == 4  # 544 >= 16 x 32
     assert triton_gemv.choose_splits(136, 320, torch.device("xpu"), per_core=2) == 1
+
+
+@pytest.mark.parametrize("rows", [2, 20])  # the fused launch; the reconstruct path above the bound rows
+def test_bound_layer_reads_its_device_tables_where_a_reload_rewrites_them(make_layer, kernel_device, rows):
+    """What a wake from sleep level 2 relies on (plugin/reload.py): the cached Hadamard tables a bound layer's
+    launches point at are lost with the weights' memory pool on a GPU, and rewritten in place by the reload; the
+    same bound layer must then answer as before, and must not have answered from a copy while they were lost."""
+    from exl3local.kernels import hadamard, triton_hadamard
+    from exl3local.plugin import reload
+
+    trellis, suh, svh = make_layer(128, 128, 4, "mul1", seed=21)
+    kernel = prepare(KernelSpec(128, 128, 4, "mul1", torch.float16), kernel_device, "triton")
+    layer = BoundLinear([(kernel, trellis, suh, svh, 128)], 128)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(22)).to(kernel_device).half()
+    before = layer(x)
+    device = x.device  # as the kernels key their tables ("cuda:0": a bare "cuda" is another cache entry)
+    for table in (hadamard.hadamard_128(device), triton_hadamard.hadamard_operands(device)):
+        table.fill_(7)  # what a discarded and re-mapped page may hold
+    assert not torch.equal(layer(x), before)
+    reload.refresh_device_tables(device, set())
+    assert torch.equal(layer(x), before)
