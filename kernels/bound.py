@@ -19,13 +19,11 @@ kernels/bound_group.py (GroupLaunch).
 from __future__ import annotations
 
 import torch
-import triton
 
 from exl3local import env
-from exl3local.kernels import selftest
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, HADAMARD_SCALE
 from exl3local.kernels.bound_reconstruct import ReconstructLaunch
-from exl3local.kernels.launcher import DirectLaunch, Workspace
+from exl3local.kernels.launcher import DirectLaunch, Workspace, launch_mode
 from exl3local.kernels.triton_decode import rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel
 from exl3local.kernels.triton_gemv import (
@@ -69,10 +67,7 @@ class FusedLaunch:
         _, block_kt, num_warps = ring_dot_config(bits)
         self.k_steps = self.size_k // 16 // block_kt
         self.experts = experts
-        interpret = not isinstance(exl3_fused_kernel, triton.runtime.JITFunction) or self.device.type == "cpu"
-        # #20 self-check: the direct launch only on a Triton/backend it was tested with and whose self-test passed
-        # (kernels/selftest.py); otherwise Triton's own launch.
-        plain = interpret or selftest.direct_launch_refusal(self.device) is not None
+        plain, self.stream = launch_mode(exl3_fused_kernel, self.device)
         self.input = DirectLaunch(_input_kernel, INPUT_VARYING, plain)
         self.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, plain, num_warps=num_warps, num_stages=1)
         self.fma = None if experts or bits not in FMA_ONE_ROW_BITS else DirectLaunch(exl3_gemv_ring_kernel,
@@ -99,12 +94,6 @@ class FusedLaunch:
         self.splits: dict[int, tuple[int, int]] = {}
         self.tiled_splits: dict[int, tuple[int, int]] = {}
         self.plans: dict[tuple, tuple] = {}
-        self.stream = (lambda: 0) if interpret else self._stream_getter()
-
-    def _stream_getter(self):
-        get = triton.runtime.driver.active.get_current_stream
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        return lambda: get(index)
 
     def split_for(self, m_blocks: int) -> tuple[int, int]:
         """(splits, K steps per split) of the dot kernel for m_blocks row blocks (units)."""

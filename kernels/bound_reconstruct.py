@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from exl3local.kernels import selftest
 from exl3local.kernels.hadamard import HADAMARD_SCALE
-from exl3local.kernels.launcher import DirectLaunch
+from exl3local.kernels.launcher import DirectLaunch, launch_mode
 from exl3local.kernels.triton_decode import rate_constants, words
 from exl3local.kernels.triton_gemm import _right_reconstruct_kernel
 from exl3local.kernels.triton_hadamard import _input_kernel, hadamard_operands, rows_per_program
@@ -35,8 +34,7 @@ class ReconstructLaunch:
         device = trellis.device
         tiles_k, tiles_n, _ = trellis.shape
         self.size_k, self.size_n = tiles_k * 16, tiles_n * 16
-        interpret = not isinstance(_input_kernel, triton.runtime.JITFunction) or device.type == "cpu"
-        plain = interpret or selftest.direct_launch_refusal(device) is not None  # as FusedLaunch decides
+        plain, self.stream = launch_mode(_input_kernel, device)
         self.input = DirectLaunch(_input_kernel, INPUT_VARYING, plain)
         self.rebuild = DirectLaunch(_right_reconstruct_kernel, REBUILD_VARYING, plain, num_warps=4)
         had = hadamard_operands(device)
@@ -48,12 +46,6 @@ class ReconstructLaunch:
         self.rebuild_fixed = dict(w_ptr=words(trellis), had_ptr=had, svh_ptr=svh, tiles_n=tiles_n,
                                   tk_per_program=per_program, **rate_constants(bits, codebook), SCALE=HADAMARD_SCALE,
                                   KT=4)
-        if interpret:
-            self.stream = lambda: 0
-        else:
-            get = triton.runtime.driver.active.get_current_stream
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            self.stream = lambda: get(index)
 
     def into(self, x: torch.Tensor, y: torch.Tensor, start: int, out: int) -> None:
         """y[:, start:start + out] = (x·W)[:, :out] through fp16, as TritonLinearKernel.apply rounds it (x: rows ×

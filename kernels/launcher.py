@@ -16,9 +16,26 @@ outgrown is kept allocated, not freed: a CUDA graph captured earlier may still p
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 import triton
+
+from exl3local.kernels import selftest
+
+
+def launch_mode(kernel, device: torch.device) -> tuple[bool, Callable[[], int]]:
+    """How bound launches of `kernel` run on `device`: (plain, stream). plain: through Triton's own launch, under the
+    interpreter (TRITON_INTERPRET=1, or CPU tensors) or where the #20 self-check refuses the direct launch (a
+    Triton/backend it was not tested with, or a failed bound_direct check: kernels/selftest.py). stream: the getter
+    of the stream to launch on (0 under the interpreter)."""
+    interpret = not isinstance(kernel, triton.runtime.JITFunction) or device.type == "cpu"
+    plain = interpret or selftest.direct_launch_refusal(device) is not None
+    if interpret:
+        return plain, lambda: 0
+    get = triton.runtime.driver.active.get_current_stream
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return plain, lambda: get(index)
 
 
 class Workspace:
