@@ -31,7 +31,9 @@ def test_the_api_listens_on_a_user_only_unix_socket_and_not_on_tcp(box, tiny_mod
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://exl3local") as raw:
         assert raw.get("/api/status").json()["state"] == "READY"
         assert raw.get("/api/logs").status_code == 403  # the token is still asked for
-    logs = box.cli("logs", "-n", "20")
+    # all of this short engine log: a health probe that gave up under load leaves a 15-line traceback in the stand-in's
+    # log, which pushed "serving on" out of the last 20 lines once (session 9's last full run)
+    logs = box.cli("logs", "-n", "500")
     assert logs.returncode == 0 and "serving on" in logs.stdout, logs.stderr
     assert box.cli("down").returncode == 0
     assert not sock.exists()
