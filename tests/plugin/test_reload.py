@@ -92,3 +92,26 @@ def test_a_reload_rewrites_the_kernels_device_tables_in_place():
                                               codebook.lut("mul1", cpu).data_ptr()]
     assert not ws.counters.any()
     launcher.Workspace._live.pop((cpu, 12345))
+
+
+def test_a_reload_refreshes_the_device_tables_once_not_per_layer(monkeypatch):
+    """The tables are the device's: a 64-layer wake must rewrite them once, with every layer's codebooks, and the
+    next reload once again. (The meta device stands in for a GPU: the refresh is skipped on the CPU.)"""
+    from exl3local.plugin import reload
+
+    calls = []
+    monkeypatch.setattr(reload, "refresh_device_tables", lambda device, codebooks: calls.append((device, codebooks)))
+    monkeypatch.setattr(reload, "_codebooks", {}, raising=False)
+    monkeypatch.setattr(reload, "_reloaded", {}, raising=False)
+    meta = torch.device("meta")
+    layers = [(torch.nn.Module(), {codebook}) for codebook in ("mul1", "3inst", "mcg", "mul1")]
+    for layer, codebooks in layers:  # the load
+        layer.w = torch.nn.Parameter(torch.empty(4, device=meta), requires_grad=False)
+        reload.keep_first_parameters(layer, ["w"], codebooks)
+    assert calls == []
+    for n in (1, 2):  # two reloads, each layer loaded into a temporary first (as vLLM's layerwise reload does)
+        for layer, codebooks in layers:
+            layer.w = torch.nn.Parameter(torch.empty(4, device=meta), requires_grad=False)
+            reload.keep_first_parameters(layer, ["w"], codebooks)
+            assert layer.w is layer.exl3_first_params["w"]
+        assert calls == [(meta, {"mul1", "3inst", "mcg"})] * n
