@@ -72,7 +72,8 @@ def test_kernel_through_dispatch_handles_dtype_lead_dims_bias_and_strides():
     trellis, suh, svh = _layer(256, 128, 4, "mul1")
     kernel = prepare(KernelSpec(256, 128, 4, "mul1", torch.bfloat16, has_bias=True), "cpu")
     assert isinstance(kernel, CpuLinearKernel)
-    assert kernel.path_for(1) is KernelPath.CPU_GEMV and kernel.path_for(64) is KernelPath.CPU_GEMM
+    gemm = KernelPath.CPU_GEMM_AMX if ops.amx_active(ops.library()) else KernelPath.CPU_GEMM  # bf16 rows
+    assert kernel.path_for(1) is KernelPath.CPU_GEMV and kernel.path_for(64) is gemm
     wide = torch.randn(2, 3, 512).bfloat16()
     x = wide[..., ::2]  # not contiguous
     bias = torch.randn(128).half()

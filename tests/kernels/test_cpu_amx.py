@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from exl3local.kernel_paths import KernelPath
 from exl3local.kernels import reference
 from exl3local.kernels.cpu import ops
+from exl3local.kernels.dispatch import CpuLinearKernel, DeviceInfo, KernelSpec
 from exl3local.kernels.hadamard import hadamard_128
 
 pytestmark = pytest.mark.skipif(not ops.amx_active(ops.library()), reason="this CPU (or OS) gives no AMX-BF16")
@@ -70,3 +72,18 @@ def test_without_amx_bf16_goes_through_the_fp32_path(monkeypatch):
     lin.amx = False
     monkeypatch.setattr(lin.lib, "exl3_cpu_gemm_amx", None)  # calling it now would fail the test
     torch.testing.assert_close(lin(x, torch.float32), amx, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,path", [(torch.bfloat16, KernelPath.CPU_GEMM_AMX), (torch.float16, KernelPath.CPU_GEMM)])
+def test_dispatch_names_the_gemm_engine_that_serves_the_call(monkeypatch, dtype, path):
+    """The trace and the dashboard say which engine ran a prefill: AMX for bf16 rows, fp32 BLAS for other dtypes."""
+    trellis, suh, svh = _layer(256, 256, 4, "mul1")
+    kernel = CpuLinearKernel(KernelSpec(256, 256, 4, "mul1", dtype), DeviceInfo.of(torch.device("cpu")))
+    lib = ops.library()
+    calls = []
+    amx = lib.exl3_cpu_gemm_amx
+    monkeypatch.setattr(lib, "exl3_cpu_gemm_amx", lambda *args: calls.append(1) or amx(*args))
+    rows = ops.GEMV_MAX_ROWS + 1
+    assert kernel.path_for(1) is KernelPath.CPU_GEMV and kernel.path_for(rows) is path
+    kernel.apply(torch.randn(rows, 256, generator=torch.Generator().manual_seed(4)).to(dtype), trellis, suh, svh)
+    assert bool(calls) == (path is KernelPath.CPU_GEMM_AMX)

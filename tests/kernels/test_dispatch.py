@@ -88,6 +88,6 @@ def test_reference_kernel_serves_linear_with_bias():
 def test_kernel_path_is_closed_and_named():
     assert {p.value for p in KernelPath} == {
         "gemv", "reconstruct_gemm", "moe_decode", "moe_verify", "moe_grouped", "moe_batched", "cpu_gemv", "cpu_gemm",
-        "cpu_gemv_int8", "reference",
+        "cpu_gemv_int8", "cpu_gemm_amx", "reference",
     }
     assert TritonLinearKernel.backend == "triton"
