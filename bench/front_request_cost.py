@@ -1,0 +1,162 @@
+"""The endpoint's own CPU per forwarded request (daemon/front.py), in one process: what a burst of new requests
+queues behind on the daemon's loop (issue 23: at concurrency 8 the last request of a burst starts the others'
+cost late).
+
+    cd /tmp && .venv/bin/python -P /work/main/bench/front_request_cost.py [--requests 2000] [--tokens 1]
+        [--concurrency 1 8] [--profile]
+
+The real Front (uvicorn + httptools, uvloop, as the daemon runs it) with a stand-in daemon around it (no
+scheduler work, a READY engine), forwarding to an engine in another process that is served the way vLLM is
+(uvicorn, httptools, keep-alive on a Unix socket) and streams `--tokens` SSE events at once. Clients are threads
+of this process with keep-alive connections (http.client). Per request: the CPU time of the loop's thread alone
+(the clients' threads and the engine are not in it) over the requests; at --tokens 1 that is the request's fixed
+cost, nearly all of it before its first byte (one event and the end follow). --profile: cProfile of the loop's
+thread over one more run, the top functions by their own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import http.client
+import os
+import pstats
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import uvloop
+
+BODY = b'{"model": "m", "prompt": "def fibonacci(n):", "max_tokens": 1, "stream": true}'
+
+
+def engine(uds: str, tokens: int) -> None:
+    """The engine process: vLLM's server stack (uvicorn with httptools on a Unix socket), no model."""
+    import uvicorn
+
+    event = b'data: {"choices": [{"text": "x"}]}\n\n'
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for _ in range(tokens):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    uvicorn.run(app, uds=uds, http="httptools", loop="uvloop", log_level="warning", access_log=False,
+                timeout_keep_alive=60)
+
+
+def client(port: int, n: int, barrier: threading.Barrier, firsts: list[float]) -> None:
+    """n requests one after another on one keep-alive connection, each round starting at the barrier."""
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    for _ in range(n):
+        barrier.wait()
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", BODY, {"content-type": "application/json"})
+        resp = conn.getresponse()
+        resp.read(1)
+        firsts.append(time.perf_counter() - t0)
+        resp.read()
+        assert resp.status == 200, resp.status
+    conn.close()
+
+
+async def run(front_port: int, requests: int, c: int, profile: cProfile.Profile | None) -> tuple[float, list[float]]:
+    """(loop-thread CPU ms per request, each request's time to its first body byte)."""
+    barrier = threading.Barrier(c)
+    firsts: list[float] = []
+    threads = [threading.Thread(target=client, args=(front_port, requests // c, barrier, firsts)) for _ in range(c)]
+    cpu0 = time.thread_time()
+    if profile:
+        profile.enable()
+    for t in threads:
+        t.start()
+    await asyncio.to_thread(lambda: [t.join() for t in threads])
+    if profile:
+        profile.disable()
+    return 1000 * (time.thread_time() - cpu0) / (requests // c * c), firsts
+
+
+async def main_async(args: argparse.Namespace, uds: str) -> None:
+    from exl3local.api.protocol import EngineState
+    from exl3local.daemon.front import Front
+
+    class Scheduler:
+        idle = False
+
+        async def admit(self, model, prompt_bytes):
+            return 1
+
+        def end(self, ticket=None):
+            pass
+
+        def progress(self, ticket=None, body=False):
+            pass
+
+    daemon = SimpleNamespace(plan=SimpleNamespace(spec=SimpleNamespace(env={}, uds=uds),
+                                                  profile=SimpleNamespace(endpoint={})),
+                             sup=SimpleNamespace(snapshot=lambda: {"state": EngineState.READY}), scheduler=Scheduler())
+    front = Front(daemon)
+    await front.listen("127.0.0.1", 0)
+    port = front._served.sock.getsockname()[1]
+    try:
+        for c in args.concurrency:
+            await run(port, 50 * c, c, None)  # warm: connections to the front and the engine
+            ms, firsts = await run(port, args.requests, c, None)
+            print(f"concurrency {c}: {ms:.3f} ms of the loop's CPU per request ({args.requests} requests, "
+                  f"{args.tokens} SSE events each); first byte p50 {1000 * statistics.median(firsts):.2f} ms")
+            if args.profile:
+                prof = cProfile.Profile(time.thread_time)  # CPU, not wall: a thread a write wakes may take the core
+                await run(port, args.requests, c, prof)
+                pstats.Stats(prof).sort_stats(args.profile).print_stats(30)
+    finally:
+        await front.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--profile", nargs="?", const="tottime", choices=["tottime", "cumulative"],
+                    help="cProfile of the loop thread over one more run, sorted so")
+    ap.add_argument("--engine", help=argparse.SUPPRESS)  # the engine process's own entry: its socket path
+    args = ap.parse_args()
+    if args.engine:
+        engine(args.engine, args.tokens)
+        return
+    with tempfile.TemporaryDirectory(prefix="exl3f-") as tmp:
+        uds = str(Path(tmp) / "engine.sock")
+        proc = subprocess.Popen([sys.executable, "-P", __file__, "--engine", uds, "--tokens", str(args.tokens)])
+        try:
+            while True:  # until the engine accepts
+                try:
+                    with socket.socket(socket.AF_UNIX) as s:
+                        s.connect(uds)
+                    break
+                except OSError:
+                    if proc.poll() is not None:
+                        sys.exit("the engine process died")
+                    time.sleep(0.05)
+            print(f"load average {os.getloadavg()[0]:.1f}")
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(main_async(args, uds))
+            print(f"load average {os.getloadavg()[0]:.1f}")
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
