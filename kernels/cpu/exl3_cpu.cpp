@@ -186,6 +186,18 @@ void exl3_cpu_gemm_amx(const int16_t* trellis, int tiles_k, int tiles_n, int bit
 #endif
 }
 
+// The one-row mul1 GEMV on AVX512-FP16 (exl3_cpu_fp16.h): enable 0 turns it off, 1 on (the default), -1 asks.
+// Returns whether it now serves. Its outputs equal the 32-bit loop's bit for bit (same weights, same sums).
+int exl3_cpu_fp16(int enable) {
+#ifdef EXL3_HAVE_FP16
+    if (enable >= 0) fp16_on.store(enable != 0);
+    return fp16_active() ? 1 : 0;
+#else
+    (void)enable;
+    return 0;
+#endif
+}
+
 void exl3_cpu_input_transform(const float* x, const float* suh, float* u, int m, int k, int threads) {
     input_transform(x, suh, u, m, k, threads);
 }

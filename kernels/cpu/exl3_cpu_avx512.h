@@ -105,7 +105,11 @@ struct GroupView {
 
     // The 16 states of this group of the tile at U (words32 uint32 words), in position order, one per 32-bit lane.
     inline __m512i states(const uint32_t* U, int words32) const {
-        const __m512i v = head ? _mm512_alignr_epi32(_mm512_maskz_loadu_epi32(mask, U),
+        return head ? states<true>(U, words32) : states<false>(U, words32);
+    }
+    template <bool Head>
+    inline __m512i states(const uint32_t* U, int words32) const {
+        const __m512i v = Head ? _mm512_alignr_epi32(_mm512_maskz_loadu_epi32(mask, U),
                                                      _mm512_set1_epi32((int)U[words32 - 1]), 15)
                                : _mm512_maskz_loadu_epi32(mask, U + base - 1);
         // Eight stream bytes per lane pair, then each lane's 16 state bits into its low half (both on port 5).
@@ -113,11 +117,26 @@ struct GroupView {
     }
 };
 
+// The one-row GEMV's inner loop for one group over a chunk's tiles, two tile rows per accumulator load/store. Head is
+// a template argument: as a run-time test the compiler kept a branch per tile.
+template <int CB, bool Head>
+inline void group_rows2(const GroupView& view, const int16_t* row0, const int16_t* row1, int words16, int words32,
+                        __m512 ug0, __m512 ug1, float* a) {
+#pragma GCC unroll 8
+    for (int ct = 0; ct < CHUNK_TILES; ++ct, a += POSITIONS) {
+        const __m512 w0 = decode16<CB>(view.states<Head>((const uint32_t*)(row0 + (size_t)ct * words16), words32));
+        const __m512 w1 = decode16<CB>(view.states<Head>((const uint32_t*)(row1 + (size_t)ct * words16), words32));
+        _mm512_store_ps(a, _mm512_fmadd_ps(ug1, w1, _mm512_fmadd_ps(ug0, w0, _mm512_load_ps(a))));
+    }
+}
+
 // The 16 weights of group gi of the tile at U, in position order.
 template <int CB>
 inline __m512 decode_group(const uint32_t* U, int words32, const Groups& g, int gi) {
     return decode16<CB>(GroupView(g, gi).states(U, words32));
 }
+
+#include "exl3_cpu_fp16.h"
 
 // One work item: the 128 output columns of chunk c for m rows of u, over every k tile of one trellis.
 // acc: m * CHUNK_TILES * POSITIONS floats (64-byte aligned), ue: m * 16 vectors.
@@ -129,6 +148,10 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
     std::memset(acc, 0, sizeof(float) * m * CHUNK_TILES * POSITIONS);
     const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
     const int chunk_bytes = CHUNK_TILES * words16 * 2;
+#if defined(EXL3_HAVE_FP16)
+    if constexpr (CB == CB_MUL1)
+        if (m == 1 && fp16_active()) return gemv1_mul1_fp16(trellis, tiles_k, tiles_n, r, g.urow, u, c, acc, svh, y);
+#endif
     if (m == 1) {  // decode: two tile rows per accumulator load/store (tiles_k is a multiple of 8), group by group
         for (int tk = 0; tk < tiles_k; tk += 2) {
             for (int ahead = tk + 4; ahead < tk + 6 && ahead < tiles_k; ++ahead) {
@@ -141,13 +164,8 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
             for (int gi = 0; gi < 16; ++gi) {
                 const GroupView view(g, gi);
                 const __m512 ug0 = _mm512_permutexvar_ps(g.urow[gi], u0), ug1 = _mm512_permutexvar_ps(g.urow[gi], u1);
-#pragma GCC unroll 8
-                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
-                    float* a = acc + ct * POSITIONS + 16 * gi;
-                    const __m512 w0 = decode16<CB>(view.states((const uint32_t*)(row0 + (size_t)ct * words16), r.words32));
-                    const __m512 w1 = decode16<CB>(view.states((const uint32_t*)(row1 + (size_t)ct * words16), r.words32));
-                    _mm512_store_ps(a, _mm512_fmadd_ps(ug1, w1, _mm512_fmadd_ps(ug0, w0, _mm512_load_ps(a))));
-                }
+                if (gi == 0) group_rows2<CB, true>(view, row0, row1, words16, r.words32, ug0, ug1, acc);
+                else group_rows2<CB, false>(view, row0, row1, words16, r.words32, ug0, ug1, acc + 16 * gi);
             }
         }
         finish_block(acc, svh + c * 128, y + c * 128);

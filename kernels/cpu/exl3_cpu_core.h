@@ -1,6 +1,7 @@
 // Shared by every tier of the CPU EXL3 library (exl3_cpu.cpp includes it once): the ring's rate tables, the
 // Hadamard transforms and the work-item description.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

@@ -64,6 +64,7 @@ _SIGNATURES = {
     "exl3_cpu_output_transform": ((_P, _P, _P, _I, _I, _I), None),
     "exl3_cpu_input_transform": ((_P, _P, _P, _I, _I, _I), None),
     "exl3_cpu_amx": ((), _I),
+    "exl3_cpu_fp16": ((_I,), _I),
     "exl3_cpu_gemm_amx": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I), None),
 }
 

@@ -243,3 +243,24 @@ class _Spy:
     def __getattr__(self, name):
         self.calls.append(name)
         return getattr(self.lib, name)
+
+
+@pytest.mark.parametrize("bits", [1, 1.5, 2.5, 4, 8])
+def test_mul1_gemv_on_avx512_fp16_equals_the_32_bit_loop(bits):
+    """The one-row mul1 GEMV in 16-bit lanes (exl3_cpu_fp16.h, one fp16 fma per weight) gives the 32-bit loop's
+    outputs bit for bit (same fp16 weights, same sums), on every rate's state layout, with the head group's ring
+    wrap; it serves wherever the CPU has AVX512-FP16."""
+    lib = ops.library("avx512") if "avx512" in TIERS else None
+    if lib is None or not lib.exl3_cpu_fp16(-1):
+        pytest.skip("no AVX512-FP16 on this CPU (or no compiler support)")
+    trellis, suh, svh = _layer(256, 256, bits, "mul1", seed=int(4 * bits))
+    lin = ops.CpuLinear(trellis, suh, svh, bits, "mul1", tier="avx512")
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5))
+    fp16 = lin(x)
+    try:
+        assert lib.exl3_cpu_fp16(0) == 0
+        wide = lin(x)
+    finally:
+        assert lib.exl3_cpu_fp16(1) == 1
+    assert torch.equal(fp16, wide)
+    torch.testing.assert_close(fp16, reference.linear(x, trellis, suh, svh, bits, "mul1"), rtol=1e-5, atol=1e-5)
