@@ -2,16 +2,18 @@
 queues behind on the daemon's loop (issue 23: at concurrency 8 the last request of a burst starts the others'
 cost late).
 
-    cd /tmp && .venv/bin/python -P /work/main/bench/front_request_cost.py [--requests 2000] [--tokens 1]
-        [--concurrency 1 8] [--profile]
+    cd /tmp && /work/main/.venv/bin/python -P /work/main/bench/front_request_cost.py [--requests 2000] [--tokens 1]
+        [--concurrency 1 8] [--profile [tottime|cumulative]]
 
 The real Front (uvicorn + httptools, uvloop, as the daemon runs it) with a stand-in daemon around it (no
 scheduler work, a READY engine), forwarding to an engine in another process that is served the way vLLM is
 (uvicorn, httptools, keep-alive on a Unix socket) and streams `--tokens` SSE events at once. Clients are threads
 of this process with keep-alive connections (http.client). Per request: the CPU time of the loop's thread alone
 (the clients' threads and the engine are not in it) over the requests; at --tokens 1 that is the request's fixed
-cost, nearly all of it before its first byte (one event and the end follow). --profile: cProfile of the loop's
-thread over one more run, the top functions by their own time.
+cost, most of it before its first byte (one event and the end follow). At concurrency 1 it also gives the loop's
+CPU from a request's arrival at the app to its first body byte sent (uvicorn's parse before that is not in it).
+--profile: cProfile (CPU time) of the loop's thread over one more run, the top functions. The front of another
+commit: `git archive COMMIT exl3local | tar -x -C DIR` and PYTHONPATH=DIR.
 """
 
 from __future__ import annotations
@@ -72,6 +74,22 @@ def client(port: int, n: int, barrier: threading.Barrier, firsts: list[float]) -
     conn.close()
 
 
+def timed(app, spent: list[float]):
+    """The endpoint's app, noting the loop thread's CPU from a request's arrival at the app to its first body
+    byte sent (alone on the loop at concurrency 1: at more, other requests' work falls in between)."""
+    async def app_timed(scope, receive, send):
+        t0, first = time.thread_time(), True
+
+        async def send_timed(message):
+            nonlocal first
+            if first and message["type"] == "http.response.body":
+                first = False
+                spent.append(time.thread_time() - t0)
+            await send(message)
+        await app(scope, receive, send_timed)
+    return app_timed
+
+
 async def run(front_port: int, requests: int, c: int, profile: cProfile.Profile | None) -> tuple[float, list[float]]:
     """(loop-thread CPU ms per request, each request's time to its first body byte)."""
     barrier = threading.Barrier(c)
@@ -108,14 +126,18 @@ async def main_async(args: argparse.Namespace, uds: str) -> None:
                                                   profile=SimpleNamespace(endpoint={})),
                              sup=SimpleNamespace(snapshot=lambda: {"state": EngineState.READY}), scheduler=Scheduler())
     front = Front(daemon)
+    spent: list[float] = []
+    front.app = timed(front.app, spent)  # type: ignore[method-assign]
     await front.listen("127.0.0.1", 0)
     port = front._served.sock.getsockname()[1]
     try:
         for c in args.concurrency:
             await run(port, 50 * c, c, None)  # warm: connections to the front and the engine
+            spent.clear()
             ms, firsts = await run(port, args.requests, c, None)
             print(f"concurrency {c}: {ms:.3f} ms of the loop's CPU per request ({args.requests} requests, "
-                  f"{args.tokens} SSE events each); first byte p50 {1000 * statistics.median(firsts):.2f} ms")
+                  f"{args.tokens} SSE events each); first byte p50 {1000 * statistics.median(firsts):.2f} ms" +
+                  (f"; app entry to first body byte p50 {1000 * statistics.median(spent):.3f} ms CPU" if c == 1 else ""))
             if args.profile:
                 prof = cProfile.Profile(time.thread_time)  # CPU, not wall: a thread a write wakes may take the core
                 await run(port, args.requests, c, prof)
