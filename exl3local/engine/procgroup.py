@@ -85,11 +85,18 @@ def group_states(pgid: int, among: Sequence[int] | None = None) -> dict[int, str
     members = {}
     pids = among if among is not None else (int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
     for pid in pids:
+        # os.open/os.read, not open(): the front checks the leader per request, and a buffered file object made
+        # that check cost twice as much (~35 µs against ~18 on the CI box); a stat line is well under 4 KiB
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
+            fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
         except OSError:
             continue
+        try:
+            stat = os.read(fd, 4096)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
         fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
         if int(fields[2]) == pgid and fields[0] != b"Z":
             members[pid] = fields[0].decode()
