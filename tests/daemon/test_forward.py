@@ -120,6 +120,33 @@ async def test_a_client_leaving_mid_stream_closes_its_engine_request(tmp_path):
         await served.close()
 
 
+async def test_a_client_leaving_while_it_sends_its_body_ends_its_request_quietly(tmp_path):
+    engine, served, front, daemon, url = await serve(tmp_path)
+    over, raised = asyncio.Event(), []
+    serve_one = front._serve
+
+    async def watched(scope, receive, send):  # the app's end, and what it raised (uvicorn would log it as an error)
+        try:
+            await serve_one(scope, receive, send)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+        finally:
+            over.set()
+
+    front._serve = watched
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        writer.write(b'POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{"model"')
+        await writer.drain()
+        writer.close()
+        await asyncio.wait_for(over.wait(), 10)
+        assert raised == [] and engine.seen == [] and daemon.scheduler.ended == 0
+    finally:
+        await front.close()
+        await served.close()
+
+
 async def test_cors_is_answered_at_the_front_by_the_profiles_patterns(tmp_path):
     engine, served, front, daemon, url = await serve(tmp_path)
     daemon.plan.profile.endpoint = {"cors_origins": ("http://localhost:*", "vscode-webview://*")}
