@@ -168,12 +168,18 @@ def model_bytes(r: dict) -> int:
     return checkpoint + r["tensors"]["kv"] + r["tensors"]["workspace"]
 
 
-def child(model: str, out: str) -> None:
-    """One model, engine in this process: RSS growth, decode and prefill speed."""
+def child(model: str, out: str, *flags: str) -> None:
+    """One model, engine in this process: RSS growth, decode and prefill speed. Flag "wide": kernels/cpu's one-row
+    mul1 loop on 32-bit lanes even where the CPU has AVX512-FP16 (the loop before session 10; identical outputs)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     import torch
+
+    if "wide" in flags:
+        from exl3local.kernels.cpu import ops
+
+        ops.library().exl3_cpu_fp16(0)
 
     torch.zeros(1)  # torch's allocator and threads up before the baseline
     before, before_parts = rss(), rss_parts()
@@ -248,8 +254,10 @@ def main() -> None:
                         "model's best decode and prefill count")
     parser.add_argument("--int8", action="store_true", help="also the EXL3 model with EXL3LOCAL_CPU_INT8=1 (the opt-in "
                         "int8-activation decode, not exact)")
+    parser.add_argument("--wide", action="store_true", help="also the EXL3 model with the one-row mul1 loop on 32-bit "
+                        "lanes where the CPU has AVX512-FP16 (a same-run before/after of session 10's loop)")
     parser.add_argument("--model", type=Path, help="instead: this EXL3 checkpoint, CPU kernel vs reference decoder")
-    parser.add_argument("--child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs="+", metavar="MODEL OUT [FLAG]", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(*args.child)
@@ -270,11 +278,13 @@ def main() -> None:
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
         results = {}
-        runs = [("bf16", bf16, {}), ("exl3", exl3, {})] + [("exl3_int8", exl3, {"EXL3LOCAL_CPU_INT8": "1"})] * args.int8
+        runs = [("bf16", bf16, {}, []), ("exl3", exl3, {}, [])]
+        runs += [("exl3_int8", exl3, {"EXL3LOCAL_CPU_INT8": "1"}, [])] * args.int8
+        runs += [("exl3_wide", exl3, {}, ["wide"])] * args.wide
         for round_ in range(args.rounds):  # the models alternate, so a change in the machine's load hits both
-            for name, path, extra in runs:
+            for name, path, extra, flags in runs:
                 out = root / f"{name}.json"
-                subprocess.run([sys.executable, "-P", __file__, "--child", str(path), str(out)], check=True,
+                subprocess.run([sys.executable, "-P", __file__, "--child", str(path), str(out), *flags], check=True,
                                cwd=tempfile.gettempdir(), env={**env, **extra})
                 r = json.loads(out.read_text())
                 r["load_average"] = os.getloadavg()[0]
@@ -295,7 +305,7 @@ def main() -> None:
                             best.update({k: v for k, v in r.items() if k.startswith(key) and "cpu" not in k})
                     best["decode_cpu_s_per_token"] = min(best["decode_cpu_s_per_token"], r["decode_cpu_s_per_token"])
     b = results["bf16"]
-    for name in [n for n, _, _ in runs[1:]]:
+    for name in [run[0] for run in runs[1:]]:
         e = results[name]
         results[f"ratios_{name}"] = {
             "decode": e["decode_tok_s"] / b["decode_tok_s"], "prefill": e["prefill_tok_s"] / b["prefill_tok_s"],
