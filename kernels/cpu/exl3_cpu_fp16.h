@@ -104,13 +104,13 @@ EXL3_FP16 inline void group32_rows2(const Groups32& g, int gi, const int16_t* ro
     }
 }
 
-// gemv_chunk's one-row mul1 loop (same accumulators, rows, prefetch and output transform), on AVX512-FP16.
+// gemv_chunk's one-row mul1 loop (same accumulators, zeroed by it; rows, prefetch and output transform), on
+// AVX512-FP16.
 EXL3_FP16 void gemv1_mul1_fp16(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const __m512i* urow,
                                const float* u, int c, float* acc, const float* svh, float* y) {
     const Groups32& g = groups32_for(r);
     const int words16 = 2 * r.words32, chunk_bytes = CHUNK_TILES * words16 * 2;
     const size_t row_words = (size_t)tiles_n * words16;
-    std::memset(acc, 0, sizeof(float) * CHUNK_TILES * POSITIONS);
     const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
     for (int tk = 0; tk < tiles_k; tk += 2) {
         for (int ahead = tk + 4; ahead < tk + 6 && ahead < tiles_k; ++ahead) {
