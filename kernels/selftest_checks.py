@@ -366,7 +366,7 @@ def checks_for(kernel: type, device: torch.device, bits: float = 4, codebook: st
         return {name: checks[name] for name in ("decode", "reconstruct_gemm")}
     from exl3local.kernels.dispatch import DeviceInfo, KernelSpec
 
-    instance = kernel(KernelSpec(*SIZES[kind(device)][0], bits, codebook), DeviceInfo.of(device))
+    instance = kernel(KernelSpec(*SIZES[kind(device)][0], bits, codebook, dtype), DeviceInfo.of(device))
     few = instance.path_for(1)
     checks = {str(few): _check_apply(kernel, 1, dtype)}
     for rows in (4, 8, 16, 32, 64):

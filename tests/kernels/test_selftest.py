@@ -238,3 +238,18 @@ def test_a_correct_kernel_with_bf16_activations_passes_at_every_rate():
     for codebook, bits in selftest.rates():
         got = selftest_checks.run_kernel(Bf16Reference, bits, codebook, torch.device("cpu"), dtype=torch.bfloat16)
         assert got and all(r.ok for r in got), got
+
+
+def test_the_cpu_librarys_checks_are_named_for_the_path_that_serves_their_activations():
+    """The load-time check of bf16 rows past the GEMV crossover runs the AMX GEMM where the CPU has it: its result
+    must carry that path's name, as the dashboard's counters do, not the fp32 GEMM's."""
+    from exl3local.kernels.cpu import ops
+    from exl3local.kernels.dispatch import CpuLinearKernel
+
+    if CpuLinearKernel.refuse(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo.of(torch.device("cpu"))):
+        pytest.skip("the CPU library is not built here")
+    amx = ops.amx_active(ops.library())
+    bf16 = selftest_checks.checks_for(CpuLinearKernel, torch.device("cpu"), dtype=torch.bfloat16)
+    fp16 = selftest_checks.checks_for(CpuLinearKernel, torch.device("cpu"), dtype=torch.float16)
+    assert ("cpu_gemm_amx" in bf16) == amx and "cpu_gemm_amx" not in fp16, (list(bf16), list(fp16))
+    assert "cpu_gemm" in fp16 and ("cpu_gemm" in bf16) != amx, (list(bf16), list(fp16))
