@@ -9,7 +9,8 @@ matmul at 32 and 64 rows. Random mul1 K4 trellis.
 (32, 4, 4), bit-identical W_r checked.
 --hy: the Hadamard on y instead of in the weight, y = H(u·Ŵ)⊙svh (reference.linear's own form) with Ŵ from
 decode_dense, against today's u·W_r, per part at 32..4096 rows: µs and relative error vs the fp32 reference; z in
-fp16 (the plain vendor matmul) and in fp32 (torch.mm's out_dtype, where the device has it).
+fp32 (torch.mm's out_dtype), H on the matrix units (triton_hadamard.product_output, served) or by the fp32
+butterfly (output_transform, s10a's form; s10a also had an fp16 z: as fast, but it can overflow).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from step_timing import graph_us, log  # noqa: E402
 from exl3local.kernels import triton_decode, triton_gemm  # noqa: E402
 from exl3local.kernels.hadamard import hadamard_rows  # noqa: E402
 from exl3local.kernels.triton_decode import rate_constants, ring_operand, ring_rows, ring_tiles, words  # noqa: E402
-from exl3local.kernels.triton_hadamard import input_transform, output_transform  # noqa: E402
+from exl3local.kernels.triton_hadamard import input_transform, output_transform, product_output  # noqa: E402
 
 
 SWEEP = [(rows, kt, warps) for rows in (16, 32, 64) for kt in (2, 4, 8) for warps in (4, 8) if rows >= 2 * kt]
-HY_ROWS = (32, 64, 512, 4096)
+HY_ROWS = (32, 64, 128, 256, 512, 1024, 4096)
 
 
 @triton.jit
@@ -77,22 +78,19 @@ def hadamard_on_y(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, l
         def today():
             return input_transform(x, suh) @ triton_gemm.right_reconstruct(trellis, svh, 4, "mul1")
 
-        def hy16():
-            z = input_transform(x, suh) @ triton_decode.decode_dense(trellis, 4, "mul1")
-            return output_transform(z[None], svh, None, torch.float16)
+        def hy():  # the served form (triton_gemm.reconstruct_gemm below HY_MAX_ROWS)
+            z = triton_gemm.fp32_product(input_transform(x, suh), triton_decode.decode_dense(trellis, 4, "mul1"))
+            return product_output(z, svh, None, torch.float16)
 
-        def hy32():
-            z = torch.mm(input_transform(x, suh), triton_decode.decode_dense(trellis, 4, "mul1"),
-                         out_dtype=torch.float32)
+        def hy_butterfly():  # s10a's form: the split-K output transform's fp32 butterfly
+            z = triton_gemm.fp32_product(input_transform(x, suh), triton_decode.decode_dense(trellis, 4, "mul1"))
             return output_transform(z[None], svh, None, torch.float16)
 
         row = {}
-        for name, fn in (("today", today), ("hy_z16", hy16), ("hy_z32", hy32)):
-            try:
-                y = fn()
-            except (RuntimeError, TypeError) as e:  # out_dtype: not every torch build or device has it
-                row[name] = f"n/a ({type(e).__name__})"
-                continue
+        for name, fn in (("today", today), ("hy", hy), ("hy_butterfly", hy_butterfly)):
+            if name == "hy_butterfly" and rows > 512:
+                continue  # ~2 ms at 4096 rows (s10a)
+            y = fn()
             rel = float((y.float() - ref).norm() / ref.norm())
             row[name] = f"{graph_us(fn, reps=20):.1f} µs rel {rel:.2e}"
         log(f"{label} M={rows} {row}")

@@ -12,19 +12,31 @@ two thirds of the earlier kernel's instructions) and rows are stored through rin
 natural order with no shuffle of Ŵ. The dispatch sends every call of more than GEMV_MAX_ROWS rows here:
 row tiles decoded on chip (triton_gemv with 32/64-row tiles) lost to this path at every M >= 32 measured.
 
+Up to HY_MAX_ROWS rows the Hadamard goes on the product instead (reference.linear's own form): Ŵ decoded plainly
+(triton_decode.decode_dense, at its memory floor), z = u·Ŵ in fp32 from the vendor matmul, y = H(z)⊙svh (+ bias) by
+the output transform. No 128-wide dot per weight: 135/150 vs 208 µs per 5120x17408 part at 32/64 rows on the H200,
+and a smaller error (docs/dev/perf/h200-s10a-rebuild-hy.log); from 512 rows the output transform costs more than
+that saves. z stays fp32 (an fp16 z holds y/svh, which can overflow where svh is small), so the path needs a
+matmul with fp32 output from fp16 operands (fp32_product); where torch has none, the W_r path serves.
+
 Layouts: trellis int16 (k/16, n/16, 16*bits) as stored (read as int32 words); W_r fp16 (k, n) row-major;
 x (rows, k); y (rows, n) in x's dtype.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from exl3local.kernels.hadamard import HADAMARD_SCALE
-from exl3local.kernels.triton_decode import rate_constants, ring_operand, ring_rows, ring_tiles, words
-from exl3local.kernels.triton_hadamard import RING_ROWS, hadamard_operands, input_transform, load_hadamard
+from exl3local.kernels.triton_decode import decode_dense, rate_constants, ring_operand, ring_rows, ring_tiles, words
+from exl3local.kernels.triton_hadamard import (RING_ROWS, hadamard_operands, input_transform, load_hadamard,
+                                               product_output)
+
+HY_MAX_ROWS = 64  # measured win at 32 and 64 rows, loss at 512 (module doc)
 
 
 @triton.jit
@@ -67,9 +79,39 @@ def right_reconstruct(trellis: torch.Tensor, svh: torch.Tensor, bits: float, cod
     return w
 
 
+@functools.lru_cache(maxsize=8)
+def has_fp32_product(device: torch.device) -> bool:
+    """Whether fp32_product runs on this device: torch.mm's out_dtype (cuBLAS has it; torch's CPU build raises,
+    and the CPU takes fp32 operands instead, exact there too); elsewhere asked once."""
+    if device.type == "cpu":
+        return True
+    a = torch.zeros(1, 16, dtype=torch.float16, device=device)
+    try:
+        torch.mm(a, a.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError; an older torch: no out_dtype
+        return False
+    return True
+
+
+def fp32_product(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """u·w (fp16 operands) with fp32 accumulation and output."""
+    if u.device.type == "cpu":
+        return u.float() @ w.float()
+    return torch.mm(u, w, out_dtype=torch.float32)
+
+
+def hadamard_on_y(rows: int, device: torch.device) -> bool:
+    """Whether a call of `rows` rows puts the Hadamard on the product (module doc)."""
+    return rows <= HY_MAX_ROWS and has_fp32_product(device)
+
+
 def reconstruct_gemm(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                      bits: float, codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = H(x⊙suh)·W_r (+ bias): the input transform on the activations, one Hadamard in the weight."""
+    """y = H(x⊙suh)·W_r (+ bias): the input transform on the activations, one Hadamard in the weight; up to
+    HY_MAX_ROWS rows y = H(H(x⊙suh)·Ŵ)⊙svh (+ bias) instead."""
+    if hadamard_on_y(x2d.shape[0], x2d.device):
+        z = fp32_product(input_transform(x2d, suh), decode_dense(trellis, bits, codebook))
+        return product_output(z, svh, bias, x2d.dtype)
     y = input_transform(x2d, suh) @ right_reconstruct(trellis, svh, bits, codebook)
     if bias is not None:
         y = y + bias.to(torch.float16)

@@ -85,6 +85,10 @@ def main() -> None:
                      "M": "i32", "size_n": "i32", "splits": "i32", "stride_zs": "i32"},
                     dict(HAS_IDS=has_ids, HAS_BIAS=True, SCALE=HADAMARD_SCALE,
                          BM=triton_hadamard.OUTPUT_ROWS_PER_PROGRAM))
+    # the reconstruct path's Hadamard on y (triton_gemm: up to HY_MAX_ROWS rows), 64-row tiles
+    compile_one(triton_hadamard._product_output_kernel,
+                {"z_ptr": "*fp32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "had_ptr": "*fp16", "y_ptr": "*bf16",
+                 "M": "i32", "size_n": "i32"}, dict(HAS_BIAS=True, SCALE=HADAMARD_SCALE, BM=64))
     # the MoE units' variants: gate/up pairs from ids, and the down projection's silu(gate)·up input; the combine
     compile_one(triton_hadamard._input_kernel,
                 {"x_ptr": "*fp32", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
