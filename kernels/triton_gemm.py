@@ -14,9 +14,9 @@ row tiles decoded on chip (triton_gemv with 32/64-row tiles) lost to this path a
 
 Up to HY_MAX_ROWS rows the Hadamard goes on the product instead (reference.linear's own form): Ŵ decoded plainly
 (triton_decode.decode_dense, at its memory floor), z = u·Ŵ in fp32 from the vendor matmul, y = H(z)⊙svh (+ bias) by
-the output transform. No 128-wide dot per weight: 135/150 vs 208 µs per 5120x17408 part at 32/64 rows on the H200,
-and a smaller error (docs/dev/perf/h200-s10a-rebuild-hy.log); from 512 rows the output transform costs more than
-that saves. z stays fp32 (an fp16 z holds y/svh, which can overflow where svh is small), so the path needs a
+the output transform. No 128-wide dot per weight: 120 / 225 / 378 vs 208 / 291 / 420 µs per 5120x17408 part at
+64 / 512 / 1024 rows on the H200, and a smaller error; at 4096 rows the fp32 z's traffic costs more than that saves
+(1226 vs 1125; docs/dev/perf/h200-s10b-rebuild-hy.log). z stays fp32 (an fp16 z holds y/svh, which can overflow where svh is small), so the path needs a
 matmul with fp32 output from fp16 operands (fp32_product); where torch has none, the W_r path serves.
 
 Layouts: trellis int16 (k/16, n/16, 16*bits) as stored (read as int32 words); W_r fp16 (k, n) row-major;
@@ -36,7 +36,7 @@ from exl3local.kernels.triton_decode import decode_dense, rate_constants, ring_o
 from exl3local.kernels.triton_hadamard import (RING_ROWS, hadamard_operands, input_transform, load_hadamard,
                                                product_output)
 
-HY_MAX_ROWS = 64  # measured win at 32 and 64 rows, loss at 512 (module doc)
+HY_MAX_ROWS = 1024  # faster per 27B part at 32..1024 rows on the H200, slower at 4096 in 2 of 3 parts (module doc)
 
 
 @triton.jit
