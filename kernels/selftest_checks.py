@@ -9,7 +9,7 @@ Checks of the Triton kernel (any exception, a compile error included, is a failu
     gemv_one_row      one row (the FMA ring kernel at FMA_ONE_ROW_BITS), split-K over NaN as well
     gemv_tiled        only with EXL3LOCAL_TILED_MAX_ROWS on: 17 rows through the 64-row tiled launch, split-K
                       over NaN as well (a failure refuses the whole Triton kernel, as any check does)
-    reconstruct_gemm  the dense W_r + vendor matmul path (more than GEMV_MAX_ROWS rows)
+    reconstruct_gemm  more than GEMV_MAX_ROWS rows: the vendor matmul with W_r, and with Ŵ then H on y
     moe_decode        grouped (token, expert) units through one launch per projection, over NaN
     bound_direct      the bound launcher's direct call (Triton's compiled-kernel ABI) against Triton's own
                       launch, bit for bit; compiled devices only (the interpreter has no direct call)
@@ -248,14 +248,24 @@ def _check_tiled(bits, codebook, device, shape, dtype: torch.dtype = torch.float
 
 
 def _check_reconstruct(bits, codebook, device, shape, dtype: torch.dtype = torch.float16):
+    """Each form of the path that serves some row count here (triton_gemm.hadamard_on_y), at the fewest rows."""
+    from exl3local.kernels import triton_gemm
     from exl3local.kernels.dispatch import GEMV_MAX_ROWS
-    from exl3local.kernels.triton_gemm import reconstruct_gemm
 
     trellis, suh, svh = _layer(*shape, bits, codebook, device, seed=4)
     x = _randn(GEMV_MAX_ROWS + 1, shape[0], seed=5).to(dtype).to(device)
-    y, us = _timed(lambda: reconstruct_gemm(x, trellis, suh, svh, bits, codebook), device)
-    ok, err, why = _compare(y, reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), bits, codebook))
-    return ok, err, us, why
+    expected = reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), bits, codebook)
+    forms = [triton_gemm.weight_form_gemm]
+    if triton_gemm.has_fp32_product(x.device):
+        forms.append(triton_gemm.product_form_gemm)
+    errors = []
+    for form in forms:
+        y, us = _timed(lambda: form(x, trellis, suh, svh, bits, codebook), device)
+        ok, err, why = _compare(y, expected)
+        if not ok:
+            return ok, err, us, f"{form.__name__}: {why}"
+        errors.append(err)
+    return True, max(errors), us, ""
 
 
 def _check_moe(bits, codebook, device, shape):

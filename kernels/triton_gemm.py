@@ -107,11 +107,21 @@ def hadamard_on_y(rows: int, device: torch.device) -> bool:
 
 def reconstruct_gemm(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                      bits: float, codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = H(x⊙suh)·W_r (+ bias): the input transform on the activations, one Hadamard in the weight; up to
-    HY_MAX_ROWS rows y = H(H(x⊙suh)·Ŵ)⊙svh (+ bias) instead."""
-    if hadamard_on_y(x2d.shape[0], x2d.device):
-        z = fp32_product(input_transform(x2d, suh), decode_dense(trellis, bits, codebook))
-        return product_output(z, svh, bias, x2d.dtype)
+    """y = x·W (+ bias) in the form that serves `x2d`'s row count here (hadamard_on_y)."""
+    form = product_form_gemm if hadamard_on_y(x2d.shape[0], x2d.device) else weight_form_gemm
+    return form(x2d, trellis, suh, svh, bits, codebook, bias)
+
+
+def product_form_gemm(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                      bits: float, codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = H(H(x⊙suh)·Ŵ)⊙svh (+ bias): the Hadamard on the product (needs has_fp32_product)."""
+    z = fp32_product(input_transform(x2d, suh), decode_dense(trellis, bits, codebook))
+    return product_output(z, svh, bias, x2d.dtype)
+
+
+def weight_form_gemm(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                     bits: float, codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = H(x⊙suh)·W_r (+ bias): the input transform on the activations, one Hadamard in the weight."""
     y = input_transform(x2d, suh) @ right_reconstruct(trellis, svh, bits, codebook)
     if bias is not None:
         y = y + bias.to(torch.float16)

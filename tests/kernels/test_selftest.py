@@ -4,6 +4,7 @@ read from an unfinished (NaN) workspace."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -210,6 +211,22 @@ def test_reconstruct_kernel_matches_the_reference_and_passes_its_checks():
     got = selftest.run_kernel(TritonReconstructKernel, 3, "mcg", device)
     assert [r.path for r in got] == ["decode", "reconstruct_gemm"] and all(r.ok for r in got)
 
+
+
+@pytest.mark.parametrize("broken", ["weight_form_gemm", "product_form_gemm"])
+def test_the_reconstruct_check_refuses_either_form_that_is_wrong(monkeypatch, broken):
+    """Both forms serve (the Hadamard on the product up to HY_MAX_ROWS rows, W_r above: every prefill chunk past
+    it): a form that is wrong fails the check although the check's own row count is served by the other one."""
+    from exl3local.kernels import selftest_checks, triton_gemm
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if broken == "product_form_gemm" and not triton_gemm.has_fp32_product(device):
+        pytest.skip("no fp32-output matmul here: the product form never serves")
+    right = getattr(triton_gemm, broken)
+    wrong = functools.wraps(right)(lambda *args, **kwargs: right(*args, **kwargs) * 1.01)
+    monkeypatch.setattr(triton_gemm, broken, wrong)
+    ok, _, _, why = selftest_checks._check_reconstruct(3, "mcg", device, (128, 256))
+    assert not ok and why.startswith(broken), why
 
 def test_each_activation_dtype_gets_its_own_verdict(fresh, monkeypatch):
     """bf16 and fp16 layers compile different kernel variants: a kernel broken for one dtype still serves the
