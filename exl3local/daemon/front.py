@@ -131,6 +131,8 @@ class _Forwarded:
             if not leave.done():  # the engine broke the stream: the client's connection is closed on it
                 raise
         finally:
+            # in the same step as the last send: the server says "disconnect" once an answer is complete, and the
+            # listener must not run on that and close a connection the pool can keep
             leave.cancel()
             self._done()
             upstream.release()
