@@ -41,13 +41,7 @@ void make_groups8(const Rate& r, Groups8& g) {
     }
 }
 
-const Groups8& groups8_for(const Rate& r) {
-    static Groups8 groups[MAX_BITS2 + 1];
-    static std::once_flag once[MAX_BITS2 + 1];
-    const int bits2 = r.words32 / 4;
-    std::call_once(once[bits2], [&r, bits2] { make_groups8(r, groups[bits2]); });
-    return groups[bits2];
-}
+const Groups8& groups8_for(const Rate& r) { return tables_for<Groups8, make_groups8>(r); }
 
 // fp16 bits (low 16 of each lane; exponent field never 0 or 31, as 3INST's and MCG's masks make it) -> fp32, exact.
 inline __m256 half_bits_to_float(__m256i h) {

@@ -18,49 +18,57 @@ struct Groups {
     int base[16];  // first buf word a group reads
 };
 
+// The tables of group gi, ring positions LANES·gi .. LANES·gi + LANES - 1 (LANES / 8 states per qword, each in a
+// lane of 64 / (LANES / 8) bits): 16 for the 32-bit loop (Groups), 32 for the AVX512-FP16 loop (Groups32).
+template <int LANES>
+void group_tables(const Rate& r, int gi, __m512i& bytes_out, __m512i& ctrl_out, __mmask16& load_mask, int& base) {
+    constexpr int per_qword = LANES / 8, lane_bytes = 8 / per_qword;
+    int lo = 1 << 30, hi = 0;
+    for (int l = 0; l < LANES; ++l) {
+        lo = r.i0[LANES * gi + l] < lo ? r.i0[LANES * gi + l] : lo;
+        hi = r.i0[LANES * gi + l] > hi ? r.i0[LANES * gi + l] : hi;
+    }
+    alignas(64) uint8_t bytes[64], ctrl[64] = {};  // a 32-bit lane's bytes 2 and 3 stay zero
+    for (int q = 0; q < 8; ++q) {
+        const int p0 = LANES * gi + per_qword * q, first = (32 * r.i0[p0] + r.off[p0]) >> 3;
+        // Stream byte j sits in buf word j/4 at little-endian byte 3 - j%4 (MSB-first words); qword byte t holds
+        // stream byte first + 7 - t. Bytes past the loaded words only fill bits below the states (don't care).
+        for (int t = 0; t < 8; ++t) {
+            const int j = first + 7 - t;
+            bytes[8 * q + t] = (uint8_t)((4 * ((j >> 2) - lo) + 3 - (j & 3)) & 63);
+        }
+        for (int h = 0; h < per_qword; ++h) {
+            const int p = p0 + h, rel = 32 * r.i0[p] + r.off[p] - 8 * first;  // state's first bit, MSB-first
+            ctrl[8 * q + lane_bytes * h] = (uint8_t)(48 - rel);
+            ctrl[8 * q + lane_bytes * h + 1] = (uint8_t)(56 - rel);
+        }
+    }
+    bytes_out = _mm512_load_si512(bytes);
+    ctrl_out = _mm512_load_si512(ctrl);
+    base = lo;
+    // buf words [lo, hi+1], clipped to the ring (buf index words32 is U's last word); masked-off words read
+    // as zero and only ever fill bits below a state.
+    const int last = hi + 1 < r.words32 ? hi + 1 : r.words32, count = last - lo + 1;
+    load_mask = (__mmask16)((1u << count) - 1);
+}
+
 void make_groups(const Rate& r, Groups& g) {
     for (int gi = 0; gi < 16; ++gi) {
-        int lo = 1 << 30, hi = 0;
-        for (int l = 0; l < 16; ++l) {
-            lo = r.i0[16 * gi + l] < lo ? r.i0[16 * gi + l] : lo;
-            hi = r.i0[16 * gi + l] > hi ? r.i0[16 * gi + l] : hi;
-        }
-        alignas(64) uint8_t bytes[64], ctrl[64];
+        group_tables<16>(r, gi, g.bytes[gi], g.ctrl[gi], g.load_mask[gi], g.base[gi]);
         alignas(64) int urow[16];
-        for (int q = 0; q < 8; ++q) {
-            const int p0 = 16 * gi + 2 * q, first = (32 * r.i0[p0] + r.off[p0]) >> 3;
-            // Stream byte j sits in buf word j/4 at little-endian byte 3 - j%4 (MSB-first words); qword byte t holds
-            // stream byte first + 7 - t. Bytes past the loaded words only fill bits below both states (don't care).
-            for (int t = 0; t < 8; ++t) {
-                const int j = first + 7 - t;
-                bytes[8 * q + t] = (uint8_t)((4 * ((j >> 2) - lo) + 3 - (j & 3)) & 63);
-            }
-            for (int h = 0; h < 2; ++h) {
-                const int p = p0 + h, rel = 32 * r.i0[p] + r.off[p] - 8 * first;  // state's first bit, MSB-first
-                ctrl[8 * q + 4 * h] = (uint8_t)(48 - rel);
-                ctrl[8 * q + 4 * h + 1] = (uint8_t)(56 - rel);
-                ctrl[8 * q + 4 * h + 2] = ctrl[8 * q + 4 * h + 3] = 0;
-            }
-        }
         for (int l = 0; l < 16; ++l) urow[l] = row_of(16 * gi + l);
-        g.bytes[gi] = _mm512_load_si512(bytes);
-        g.ctrl[gi] = _mm512_load_si512(ctrl);
         g.urow[gi] = _mm512_load_si512(urow);
-        g.base[gi] = lo;
-        // buf words [lo, hi+1], clipped to the ring (buf index words32 is U's last word); masked-off words read
-        // as zero and only ever fill bits below a state.
-        int last = hi + 1 < r.words32 ? hi + 1 : r.words32;
-        int count = last - lo + 1;
-        g.load_mask[gi] = (__mmask16)((1u << count) - 1);
     }
 }
 
-const Groups& groups_for(const Rate& r) {
-    static Groups groups[MAX_BITS2 + 1];
-    static std::once_flag once[MAX_BITS2 + 1];
-    const int bits2 = r.words32 / 4;
-    std::call_once(once[bits2], [&r, bits2] { make_groups(r, groups[bits2]); });
-    return groups[bits2];
+const Groups& groups_for(const Rate& r) { return tables_for<Groups, make_groups>(r); }
+
+// The tile rows [from, to) of a chunk (rows are row_words apart, n·K bytes), into L1 ahead of their decode.
+inline void prefetch_rows(const int16_t* col0, size_t row_words, int chunk_bytes, int from, int to) {
+    for (int ahead = from; ahead < to; ++ahead) {
+        const char* pf = (const char*)(col0 + (size_t)ahead * row_words);
+        for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+    }
 }
 
 // s: 16-bit states (upper bits zero) -> fp32 weights, each exactly its fp16 value.
@@ -154,10 +162,7 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
 #endif
     if (m == 1) {  // decode: two tile rows per accumulator load/store (tiles_k is a multiple of 8), group by group
         for (int tk = 0; tk < tiles_k; tk += 2) {
-            for (int ahead = tk + 4; ahead < tk + 6 && ahead < tiles_k; ++ahead) {
-                const char* pf = (const char*)(col0 + (size_t)ahead * row_words);
-                for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-            }
+            prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 6 < tiles_k ? tk + 6 : tiles_k);
             const __m512 u0 = _mm512_loadu_ps(u + 16 * tk), u1 = _mm512_loadu_ps(u + 16 * tk + 16);
             const int16_t* row0 = col0 + (size_t)tk * row_words;
             const int16_t* row1 = row0 + row_words;
@@ -172,10 +177,7 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
         return;
     }
     for (int tk = 0; tk < tiles_k; ++tk) {
-        if (tk + 4 < tiles_k) {  // rows of a chunk are n*K bytes apart: prefetch a few rows ahead
-            const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);
-            for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-        }
+        if (tk + 4 < tiles_k) prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 5);
         for (int mi = 0; mi < m; ++mi) {
             const __m512 ut = _mm512_loadu_ps(u + (size_t)mi * k + 16 * tk);
             for (int gi = 0; gi < 16; ++gi) ue[mi * 16 + gi] = _mm512_permutexvar_ps(g.urow[gi], ut);
@@ -213,10 +215,7 @@ void gemv_chunk_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate&
     const __m512i hash = _mm512_set1_epi32((int)MUL1_HASH);
     if (m == 1) {  // decode: two tile rows per accumulator load/store, as gemv_chunk (integer sums: the same result)
         for (int tk = 0; tk < tiles_k; tk += 2) {
-            for (int ahead = tk + 4; ahead < tk + 6 && ahead < tiles_k; ++ahead) {
-                const char* pf = (const char*)(col0 + (size_t)ahead * row_words);
-                for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-            }
+            prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 6 < tiles_k ? tk + 6 : tiles_k);
             const __m512i q0 = _mm512_loadu_si512(q4 + 16 * tk), q1 = _mm512_loadu_si512(q4 + 16 * tk + 16);
             const int16_t* row0 = col0 + (size_t)tk * row_words;
             const int16_t* row1 = row0 + row_words;
@@ -236,10 +235,7 @@ void gemv_chunk_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate&
         }
     }
     for (int tk = 0; tk < tiles_k && m > 1; ++tk) {
-        if (tk + 4 < tiles_k) {
-            const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);
-            for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-        }
+        if (tk + 4 < tiles_k) prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 5);
         for (int mi = 0; mi < m; ++mi) {
             const __m512i qt = _mm512_loadu_si512(q4 + (size_t)mi * k + 16 * tk);
             for (int gi = 0; gi < 16; ++gi) qe[mi * 16 + gi] = _mm512_permutexvar_epi32(g.urow[gi], qt);

@@ -46,6 +46,16 @@ const Rate& rate_for(int bits2) {
     return rates[bits2];
 }
 
+// Each tier's own per-rate tables (its decode's lane layout), made the same way: once per rate, on first use.
+template <class Tables, void (*make)(const Rate&, Tables&)>
+const Tables& tables_for(const Rate& r) {
+    static Tables tables[MAX_BITS2 + 1];
+    static std::once_flag once[MAX_BITS2 + 1];
+    const int bits2 = r.words32 / 4;
+    std::call_once(once[bits2], [&r, bits2] { make(r, tables[bits2]); });
+    return tables[bits2];
+}
+
 inline int row_of(int p) {
     const int lane = p >> 3, j = p & 7;
     return 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);

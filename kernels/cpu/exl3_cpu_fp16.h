@@ -31,39 +31,7 @@ struct Groups32 {
 };
 
 void make_groups32(const Rate& r, Groups32& g) {
-    for (int gi = 0; gi < 8; ++gi) {
-        int lo = 1 << 30, hi = 0;
-        for (int l = 0; l < 32; ++l) {
-            lo = r.i0[32 * gi + l] < lo ? r.i0[32 * gi + l] : lo;
-            hi = r.i0[32 * gi + l] > hi ? r.i0[32 * gi + l] : hi;
-        }
-        alignas(64) uint8_t bytes[64], ctrl[64];
-        for (int q = 0; q < 8; ++q) {
-            const int p0 = 32 * gi + 4 * q, first = (32 * r.i0[p0] + r.off[p0]) >> 3;
-            for (int t = 0; t < 8; ++t) {
-                const int j = first + 7 - t;
-                bytes[8 * q + t] = (uint8_t)((4 * ((j >> 2) - lo) + 3 - (j & 3)) & 63);
-            }
-            for (int h = 0; h < 4; ++h) {
-                const int rel = 32 * r.i0[p0 + h] + r.off[p0 + h] - 8 * first;
-                ctrl[8 * q + 2 * h] = (uint8_t)(48 - rel);
-                ctrl[8 * q + 2 * h + 1] = (uint8_t)(56 - rel);
-            }
-        }
-        g.bytes[gi] = _mm512_load_si512(bytes);
-        g.ctrl[gi] = _mm512_load_si512(ctrl);
-        g.base[gi] = lo;
-        const int last = hi + 1 < r.words32 ? hi + 1 : r.words32, count = last - lo + 1;
-        g.load_mask[gi] = (__mmask16)((1u << count) - 1);
-    }
-}
-
-const Groups32& groups32_for(const Rate& r) {
-    static Groups32 groups[MAX_BITS2 + 1];
-    static std::once_flag once[MAX_BITS2 + 1];
-    const int bits2 = r.words32 / 4;
-    std::call_once(once[bits2], [&r, bits2] { make_groups32(r, groups[bits2]); });
-    return groups[bits2];
+    for (int gi = 0; gi < 8; ++gi) group_tables<32>(r, gi, g.bytes[gi], g.ctrl[gi], g.load_mask[gi], g.base[gi]);
 }
 
 // The 32 weights of one group of the tile at U: lanes 0-15 in w[0], 16-31 in w[1], each exactly its fp16 value.
@@ -108,15 +76,12 @@ EXL3_FP16 inline void group32_rows2(const Groups32& g, int gi, const int16_t* ro
 // AVX512-FP16.
 EXL3_FP16 void gemv1_mul1_fp16(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const __m512i* urow,
                                const float* u, int c, float* acc, const float* svh, float* y) {
-    const Groups32& g = groups32_for(r);
+    const Groups32& g = tables_for<Groups32, make_groups32>(r);
     const int words16 = 2 * r.words32, chunk_bytes = CHUNK_TILES * words16 * 2;
     const size_t row_words = (size_t)tiles_n * words16;
     const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
     for (int tk = 0; tk < tiles_k; tk += 2) {
-        for (int ahead = tk + 4; ahead < tk + 6 && ahead < tiles_k; ++ahead) {
-            const char* pf = (const char*)(col0 + (size_t)ahead * row_words);
-            for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-        }
+        prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 6 < tiles_k ? tk + 6 : tiles_k);
         const __m512 u0 = _mm512_loadu_ps(u + 16 * tk), u1 = _mm512_loadu_ps(u + 16 * tk + 16);
         const int16_t* row0 = col0 + (size_t)tk * row_words;
         const int16_t* row1 = row0 + row_words;
