@@ -8,8 +8,8 @@ Two users:
 - `exl3local selftest` (through `python -m exl3local.kernels.selftest --json` in the engine's interpreter): every
   path, codebook and bit width as one report.
 
-The checks themselves are in kernels/selftest_checks.py. The bound direct launch (kernels/bound.py) asks
-`direct_launch_refusal` whether it may skip Triton's own launch.
+The checks themselves are in kernels/selftest_checks.py (the Triton kernel's in selftest_triton.py). The bound
+direct launch (kernels/bound.py) asks `direct_launch_refusal` whether it may skip Triton's own launch.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 from exl3local import __version__, env
-from exl3local.kernels.selftest_checks import CPU_TRITON_RATES, SIZES, TOLERANCE, Result, kind, rates, run_kernel
+from exl3local.kernels.selftest_checks import CPU_TRITON_RATES, Result, rates, run_kernel
+from exl3local.kernels.selftest_compare import SIZES, TOLERANCE, kind
 
 __all__ = ["TOLERANCE", "Result", "rates", "run_kernel", "refusal", "refused_paths", "results", "set_publisher",
            "direct_launch_refusal", "report"]
@@ -228,13 +229,13 @@ def benchmarks(device: torch.device, dtype: torch.dtype, progress: Callable[[str
     """µs per call of one bound EXL3 linear at BENCH_SHAPES and BENCH_ROWS on a GPU (warm, averaged); [] on CPU."""
     from exl3local.kernels.bound import BoundLinear
     from exl3local.kernels.dispatch import KernelSpec, prepare
-    from exl3local.kernels.selftest_checks import _layer, _timed
+    from exl3local.kernels.selftest_compare import random_layer, timed
 
     if device.type == "cpu":
         return []
     out = []
     for k, n in BENCH_SHAPES:
-        trellis, suh, svh = _layer(k, n, 4, "mul1", device, seed=13)
+        trellis, suh, svh = random_layer(k, n, 4, "mul1", device, seed=13)
         try:
             kernel = prepare(KernelSpec(k, n, 4, "mul1", dtype), device)
             layer = BoundLinear([(kernel, trellis, suh, svh, n)], k)
@@ -244,7 +245,7 @@ def benchmarks(device: torch.device, dtype: torch.dtype, progress: Callable[[str
                     progress(f"benchmark {k}x{n} at {rows} rows")
                 x = torch.randn(rows, k, device=device).to(dtype)
                 layer(x)  # compile and warm
-                _, us = _timed(lambda: layer(x), device)
+                _, us = timed(lambda: layer(x), device)
                 out.append({"k": k, "n": n, "bits": 4.0, "codebook": "mul1", "rows": rows,
                             "kernel": type(kernel).__name__, "path": str(kernel.path_for(rows)), "us": round(us, 1)})
         except Exception as exc:  # a benchmark that cannot run says so; the checks above decide what is served

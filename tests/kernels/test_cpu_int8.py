@@ -78,7 +78,7 @@ def test_int8_only_for_mul1_on_avx512_and_only_in_the_gemv_path(monkeypatch):
 
 
 def test_selftest_accepts_the_int8_path_at_its_tolerance_only(monkeypatch):
-    from exl3local.kernels import selftest_checks
+    from exl3local.kernels import selftest_checks, selftest_compare
 
     monkeypatch.setenv("EXL3LOCAL_CPU_INT8", "1")
     results = selftest_checks.run_kernel(CpuLinearKernel, 4, "mul1", torch.device("cpu"), dtype=torch.bfloat16)
@@ -86,8 +86,8 @@ def test_selftest_accepts_the_int8_path_at_its_tolerance_only(monkeypatch):
     gemm = "cpu_gemm_amx" if ops.amx_active(ops.library()) else "cpu_gemm"  # bf16 rows: AMX where the CPU has it
     assert by_path["cpu_gemv_int8"].ok and by_path[gemm].ok, results
     # int8's error would fail the exact paths' bound: the looser one is the path's, not the kernel's
-    assert by_path["cpu_gemv_int8"].error > selftest_checks.TOLERANCE
-    assert by_path[gemm].error < selftest_checks.tolerance(torch.bfloat16)
+    assert by_path["cpu_gemv_int8"].error > selftest_compare.TOLERANCE
+    assert by_path[gemm].error < selftest_compare.tolerance(torch.bfloat16)
 
 
 def test_fused_layer_in_int8_mode_equals_its_parts():

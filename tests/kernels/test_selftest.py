@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from exl3local.errors import NoKernelError
-from exl3local.kernels import KernelSpec, dispatch, prepare, reference, selftest, selftest_checks
+from exl3local.kernels import (KernelSpec, dispatch, prepare, reference, selftest, selftest_checks, selftest_compare,
+                               selftest_triton)
 from exl3local.kernels.dispatch import TorchReferenceKernel, TritonLinearKernel
 
 SPEC = KernelSpec(128, 128, 3, "mcg")
@@ -107,8 +108,8 @@ def test_split_k_read_of_an_unfinished_workspace_is_caught(monkeypatch):
 
     monkeypatch.setattr(bound.FusedLaunch, "launch", skipped_handshake)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    checks = selftest_checks.triton_checks(device)
-    shape = selftest_checks.SIZES[selftest_checks.kind(device)][0]
+    checks = selftest_triton.triton_checks(device)
+    shape = selftest_compare.SIZES[selftest_compare.kind(device)][0]
     ok, _, _, detail = checks["gemv_split_k"](4, "3inst", device, shape)
     assert not ok and "non-finite" in detail
 
@@ -116,11 +117,11 @@ def test_split_k_read_of_an_unfinished_workspace_is_caught(monkeypatch):
 def test_tiled_path_is_checked_only_where_it_is_on(monkeypatch):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     monkeypatch.delenv("EXL3LOCAL_TILED_MAX_ROWS", raising=False)
-    assert "gemv_tiled" not in selftest_checks.triton_checks(device)
+    assert "gemv_tiled" not in selftest_triton.triton_checks(device)
     monkeypatch.setenv("EXL3LOCAL_TILED_MAX_ROWS", "64")
-    check = selftest_checks.triton_checks(device)["gemv_tiled"]
-    ok, err, _, detail = check(3, "mcg", device, selftest_checks.SIZES[selftest_checks.kind(device)][0])
-    assert ok and err < selftest_checks.TOLERANCE, detail
+    check = selftest_triton.triton_checks(device)["gemv_tiled"]
+    ok, err, _, detail = check(3, "mcg", device, selftest_compare.SIZES[selftest_compare.kind(device)][0])
+    assert ok and err < selftest_compare.TOLERANCE, detail
 
 
 def test_every_rate_is_listed():
@@ -163,7 +164,7 @@ def test_direct_launch_only_where_tested_and_not_refuted(fresh, monkeypatch):
 def test_bound_launches_take_tritons_path_where_the_direct_launch_is_refused(fresh, monkeypatch):
     from exl3local.kernels.bound import FusedLaunch
 
-    trellis, suh, svh = selftest_checks._layer(256, 256, 4, "mul1", torch.device("cuda"), seed=0)
+    trellis, suh, svh = selftest_compare.random_layer(256, 256, 4, "mul1", torch.device("cuda"), seed=0)
     monkeypatch.setattr(selftest, "DIRECT_LAUNCH_TESTED", {})
     assert FusedLaunch(trellis, suh, svh, 4, "mul1").fused.hooks is None  # never caches: Triton's launch
     import triton
@@ -199,15 +200,14 @@ def test_triton_gemv_failing_on_a_gpu_falls_to_the_reconstruct_kernel_then_the_r
 
 @interpreted
 def test_reconstruct_kernel_matches_the_reference_and_passes_its_checks():
-    from exl3local.kernels import selftest_checks
     from exl3local.kernels.dispatch import DeviceInfo, TritonReconstructKernel
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    trellis, suh, svh = selftest_checks._layer(128, 256, 3, "mcg", device, seed=4)
+    trellis, suh, svh = selftest_compare.random_layer(128, 256, 3, "mcg", device, seed=4)
     x = torch.randn(2, 5, 128).half().to(device)
     y = TritonReconstructKernel(KernelSpec(128, 256, 3, "mcg"), DeviceInfo.of(device)).apply(x, trellis, suh, svh)
     expected = reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), 3, "mcg")
-    assert y.shape == (2, 5, 256) and selftest_checks._rel_err(y, expected) < selftest.TOLERANCE
+    assert y.shape == (2, 5, 256) and selftest_compare.relative_error(y, expected) < selftest.TOLERANCE
     got = selftest.run_kernel(TritonReconstructKernel, 3, "mcg", device)
     assert [r.path for r in got] == ["decode", "reconstruct_gemm"] and all(r.ok for r in got)
 
@@ -217,7 +217,7 @@ def test_reconstruct_kernel_matches_the_reference_and_passes_its_checks():
 def test_the_reconstruct_check_refuses_either_form_that_is_wrong(monkeypatch, broken):
     """Both forms serve (the Hadamard on the product up to HY_MAX_ROWS rows, W_r above: every prefill chunk past
     it): a form that is wrong fails the check although the check's own row count is served by the other one."""
-    from exl3local.kernels import selftest_checks, triton_gemm
+    from exl3local.kernels import triton_gemm
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if broken == "product_form_gemm" and not triton_gemm.has_fp32_product(device):
@@ -225,7 +225,7 @@ def test_the_reconstruct_check_refuses_either_form_that_is_wrong(monkeypatch, br
     right = getattr(triton_gemm, broken)
     wrong = functools.wraps(right)(lambda *args, **kwargs: right(*args, **kwargs) * 1.01)
     monkeypatch.setattr(triton_gemm, broken, wrong)
-    ok, _, _, why = selftest_checks._check_reconstruct(3, "mcg", device, (128, 256))
+    ok, _, _, why = selftest_triton._check_reconstruct(3, "mcg", device, (128, 256))
     assert not ok and why.startswith(broken), why
 
 def test_each_activation_dtype_gets_its_own_verdict(fresh, monkeypatch):
