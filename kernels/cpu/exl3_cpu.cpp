@@ -186,6 +186,25 @@ void exl3_cpu_gemm_amx(const int16_t* trellis, int tiles_k, int tiles_n, int bit
 #endif
 }
 
+// The same y for few rows through the other exact split (exl3_cpu_amx.h, gemm_amx_u_impl): u = H(x ⊙ suh) in three
+// bf16 planes times Ŵ in two; x (m, k) fp32 (the engine's bf16 or fp16 rows, widened exactly).
+void exl3_cpu_gemm_amx_u(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const float* x,
+                         const float* suh, const float* svh, const float* bias, void* y, int y_bf16, int m,
+                         int threads) {
+#ifdef EXL3_HAVE_AMX
+    if (!amx_permitted() || m < 1) __builtin_trap();
+    const Rate& r = rate_for(bits2);
+    if (codebook == CB_MUL1)
+        gemm_amx_u_impl<CB_MUL1>(trellis, tiles_k, tiles_n, r, x, suh, svh, bias, y, y_bf16, m, threads);
+    else if (codebook == CB_MCG)
+        gemm_amx_u_impl<CB_MCG>(trellis, tiles_k, tiles_n, r, x, suh, svh, bias, y, y_bf16, m, threads);
+    else
+        gemm_amx_u_impl<CB_3INST>(trellis, tiles_k, tiles_n, r, x, suh, svh, bias, y, y_bf16, m, threads);
+#else
+    __builtin_trap();  // ops.amx_active never calls it where exl3_cpu_amx() is 0
+#endif
+}
+
 // The one-row mul1 GEMV on AVX512-FP16 (exl3_cpu_fp16.h): enable 0 turns it off, 1 on (the default), -1 asks.
 // Returns whether it now serves. Its outputs equal the 32-bit loop's bit for bit (same weights, same sums).
 int exl3_cpu_fp16(int enable) {

@@ -37,6 +37,10 @@ GEMM_ROWS = 512
 # bf16 planes of W' = diag(suh)·H·Ŵ in the AMX GEMM (exl3_cpu_amx.h): three hold W' exactly, so with bf16 x every
 # product is exact and AMX sums in fp32 (two would round W' to 16 significand bits: not exact).
 AMX_PLANES = 3
+# Rows up to which the AMX GEMM takes the other exact split (u = H(x ⊙ suh) in three bf16 planes, Ŵ in two): its pack
+# (no Hadamard, one split) costs ~0.6 of the W' pack, which costs as much at 9 rows as at 512, and its six passes
+# cost little at few rows; above ~32-48 rows the W' form's three passes win (docs/PERF.md, CPU: per row count).
+AMX_U_MAX_ROWS = 32
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
@@ -66,6 +70,7 @@ _SIGNATURES = {
     "exl3_cpu_amx": ((), _I),
     "exl3_cpu_fp16": ((_I,), _I),
     "exl3_cpu_gemm_amx": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I), None),
+    "exl3_cpu_gemm_amx_u": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I), None),
 }
 
 
@@ -205,11 +210,19 @@ class CpuLinear:
     def _gemm_amx(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
                   threads: int) -> torch.Tensor:
         """bf16 x on AMX: y = H(x · W') ⊙ svh (+ bias) per 128-column panel, W' decoded, transformed and split into
-        bf16 planes inside the library (no workspace here); the fp32 sums are rounded once into a bf16 output."""
-        x = x.contiguous()
+        bf16 planes inside the library (no workspace here); the fp32 sums are rounded once into a bf16 output. Up to
+        AMX_U_MAX_ROWS rows: H(u · Ŵ) ⊙ svh (+ bias), u = H(x ⊙ suh) in three bf16 planes, Ŵ in two (exact too)."""
         y_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
         y = torch.empty(x.shape[0], self.size_n, dtype=y_dtype)
         bias = bias.float().contiguous() if bias is not None else None
+        if x.shape[0] <= AMX_U_MAX_ROWS:
+            xf = x.float().contiguous()
+            self.lib.exl3_cpu_gemm_amx_u(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2,
+                                         self.codebook, xf.data_ptr(), self.suh.data_ptr(), self.svh.data_ptr(),
+                                         bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                         int(y.dtype == torch.bfloat16), x.shape[0], threads)
+            return y if y.dtype == out_dtype else y.to(out_dtype)
+        x = x.contiguous()
         self.lib.exl3_cpu_gemm_amx(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
                                    x.data_ptr(), self.suh.data_ptr(), self.svh.data_ptr(),
                                    bias.data_ptr() if bias is not None else None, y.data_ptr(),

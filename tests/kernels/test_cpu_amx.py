@@ -1,5 +1,6 @@
 """The CPU GEMM path on AMX (kernels/cpu/exl3_cpu_amx.h): bf16 activations times W' = diag(suh)·H·Ŵ in three bf16
-planes, exact like the fp32 path (every product exact, fp32 sums), and the fp32 path wherever AMX is not there."""
+planes, exact like the fp32 path (every product exact, fp32 sums); up to AMX_U_MAX_ROWS rows u = H(x ⊙ suh) in three
+planes times Ŵ in two (also exact); and the fp32 path wherever AMX is not there."""
 
 from __future__ import annotations
 
@@ -36,7 +37,16 @@ def _planes(lin, x, planes):
     return y
 
 
-@pytest.mark.parametrize("codebook,bits,rows", [("mul1", 4, 40), ("3inst", 3, 9), ("mcg", 2, 64)])
+def _u_split(lin, x):
+    y = torch.empty(x.shape[0], lin.size_n)
+    xf = x.float().contiguous()
+    lin.lib.exl3_cpu_gemm_amx_u(lin.trellis.data_ptr(), lin.tiles_k, lin.tiles_n, lin.bits2, lin.codebook,
+                                xf.data_ptr(), lin.suh.data_ptr(), lin.svh.data_ptr(), None, y.data_ptr(), 0,
+                                x.shape[0], 1)
+    return y
+
+
+@pytest.mark.parametrize("codebook,bits,rows", [("mul1", 4, 40), ("3inst", 3, 33), ("mcg", 2, 64)])
 def test_amx_gemm_is_as_exact_as_the_fp32_path(codebook, bits, rows):
     """Against fp64: no worse than the fp32 path (the reference's steps); two planes (W' rounded to 16 bits) are
     measurably worse, so the third plane is what makes it exact. Row counts with and without a partial 32-row block."""
@@ -53,10 +63,27 @@ def test_amx_gemm_is_as_exact_as_the_fp32_path(codebook, bits, rows):
     assert (_planes(lin, x, 2).double() - truth).abs().max().item() > 4 * err
 
 
-def test_amx_bf16_output_is_the_fp32_sums_rounded_once_with_bias():
+@pytest.mark.parametrize("codebook,bits,rows", [("mul1", 4, 1), ("3inst", 3, 9), ("mcg", 2, 17), ("mul1", 2.5, 32)])
+def test_few_rows_take_the_u_split_as_exact_as_the_fp32_path(codebook, bits, rows):
+    """Up to AMX_U_MAX_ROWS rows: u in three bf16 planes times Ŵ in two (no Hadamard in the pack), against fp64 no
+    worse than the fp32 path; row counts with and without a partial 16-row block."""
+    assert rows <= ops.AMX_U_MAX_ROWS
+    trellis, suh, svh = _layer(384, 256, bits, codebook, seed=rows)
+    lin = ops.CpuLinear(trellis, suh, svh, bits, codebook)
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(5)).bfloat16()
+    truth = _truth(lin, x)
+    got = lin._gemm_amx(x, torch.float32, None, 1)
+    assert torch.equal(got, _u_split(lin, x))
+    fp32_path = reference.linear(x.float(), trellis, suh, svh, bits, codebook)
+    torch.testing.assert_close(got, fp32_path, rtol=1e-5, atol=1e-5)
+    assert (got.double() - truth).abs().max().item() <= 1.5 * (fp32_path.double() - truth).abs().max().item() + 1e-9
+
+
+@pytest.mark.parametrize("rows", [9, 33])
+def test_amx_bf16_output_is_the_fp32_sums_rounded_once_with_bias(rows):
     trellis, suh, svh = _layer(256, 384, 4, "mul1")
     lin = ops.CpuLinear(trellis, suh, svh, 4, "mul1")
-    x = torch.randn(33, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
     bias = torch.randn(384).half()
     want = lin(x, torch.float32, bias)
     assert torch.equal(lin(x, torch.bfloat16, bias), want.bfloat16())
@@ -81,9 +108,13 @@ def test_dispatch_names_the_gemm_engine_that_serves_the_call(monkeypatch, dtype,
     kernel = CpuLinearKernel(KernelSpec(256, 256, 4, "mul1", dtype), DeviceInfo.of(torch.device("cpu")))
     lib = ops.library()
     calls = []
-    amx = lib.exl3_cpu_gemm_amx
-    monkeypatch.setattr(lib, "exl3_cpu_gemm_amx", lambda *args: calls.append(1) or amx(*args))
-    rows = ops.GEMV_MAX_ROWS + 1
-    assert kernel.path_for(1) is KernelPath.CPU_GEMV and kernel.path_for(rows) is path
-    kernel.apply(torch.randn(rows, 256, generator=torch.Generator().manual_seed(4)).to(dtype), trellis, suh, svh)
-    assert bool(calls) == (path is KernelPath.CPU_GEMM_AMX)
+    for name in ("exl3_cpu_gemm_amx", "exl3_cpu_gemm_amx_u"):
+        monkeypatch.setattr(lib, name, lambda *args, fn=getattr(lib, name), name=name: calls.append(name) or fn(*args))
+    x = torch.randn(ops.AMX_U_MAX_ROWS + 1, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    assert kernel.path_for(1) is KernelPath.CPU_GEMV
+    for rows in (ops.GEMV_MAX_ROWS + 1, ops.AMX_U_MAX_ROWS, ops.AMX_U_MAX_ROWS + 1):
+        assert kernel.path_for(rows) is path
+        kernel.apply(x[:rows], trellis, suh, svh)
+    amx = path is KernelPath.CPU_GEMM_AMX
+    # few rows through the u split, more through the W' planes
+    assert calls == (["exl3_cpu_gemm_amx_u", "exl3_cpu_gemm_amx_u", "exl3_cpu_gemm_amx"] if amx else [])
