@@ -9,7 +9,8 @@ twin (the same weights decoded) are written with tests/support/exl3_writer.py's 
 model then runs in its own process with vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
 resident-memory growth of that process over LLM() is the engine's weights + KV + workspaces. Per model:
 decode tok/s (a 128-token greedy run minus a 1-token run, same 16-token prompt, best of 3; also as CPU seconds per
-token, all threads, which a loaded machine inflates less), prefill tok/s
+token, all threads, which a loaded machine inflates less), the 16-token prompt's time to its one token (best of those 3
+1-token runs), prefill tok/s
 (a 512-token prompt, one output token), RSS growth. Then (unless --skip-linears) bench/cpu_linears.py's per-linear part. Run it under the heavy-test lock: one engine at a time here.
 """
 
@@ -170,7 +171,8 @@ def model_bytes(r: dict) -> int:
 
 def child(model: str, out: str, *flags: str) -> None:
     """One model, engine in this process: RSS growth, decode and prefill speed. Flag "wide": kernels/cpu's one-row
-    mul1 loop on 32-bit lanes even where the CPU has AVX512-FP16 (the loop before session 10; identical outputs)."""
+    mul1 loop on 32-bit lanes even where the CPU has AVX512-FP16 (the loop before session 10; identical outputs). Flag
+    "wplanes": every AMX GEMM through the W' planes, also for few rows (before session 11's u split)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
@@ -180,6 +182,10 @@ def child(model: str, out: str, *flags: str) -> None:
         from exl3local.kernels.cpu import ops
 
         ops.library().exl3_cpu_fp16(0)
+    if "wplanes" in flags:
+        from exl3local.kernels.cpu import ops
+
+        ops.AMX_U_MAX_ROWS = 0
 
     torch.zeros(1)  # torch's allocator and threads up before the baseline
     before, before_parts = rss(), rss_parts()
@@ -204,11 +210,12 @@ def child(model: str, out: str, *flags: str) -> None:
     short = list(range(3, 19))
     long = [3 + (i * 7919) % 2000 for i in range(512)]
     run(short, 4)  # warm-up: first calls bind kernels, size workspaces
-    decode, decode_cpu = [], []
+    decode, decode_cpu, first = [], [], []
     for _ in range(3):
         wall = run(short, 128)
         busy = cpu[0]
-        decode.append((wall - run(short, 1)) / 127)
+        first.append(run(short, 1))
+        decode.append((wall - first[-1]) / 127)
         decode_cpu.append((busy - cpu[0]) / 127)
     decoded = rss()
     prefill = min(run(long, 1) for _ in range(2))
@@ -220,7 +227,7 @@ def child(model: str, out: str, *flags: str) -> None:
               "anon_growth": end_parts["RssAnon"] - before_parts["RssAnon"],
               "file_growth": end_parts["RssFile"] - before_parts["RssFile"],
               "decode_s_per_token": min(decode), "decode_tok_s": 1 / min(decode), "decode_cpu_s_per_token": min(decode_cpu),
-              "prefill_s": prefill, "prefill_tok_s": 512 / prefill}
+              "prefill_s": prefill, "prefill_tok_s": 512 / prefill, "ttft16_s": min(first)}
     Path(out).write_text(json.dumps(result))
 
 
@@ -256,6 +263,8 @@ def main() -> None:
                         "int8-activation decode, not exact)")
     parser.add_argument("--wide", action="store_true", help="also the EXL3 model with the one-row mul1 loop on 32-bit "
                         "lanes where the CPU has AVX512-FP16 (a same-run before/after of session 10's loop)")
+    parser.add_argument("--wplanes", action="store_true", help="also the EXL3 model with every AMX GEMM through the W' "
+                        "planes, short prompts too (a same-run before/after of session 11's u split)")
     parser.add_argument("--model", type=Path, help="instead: this EXL3 checkpoint, CPU kernel vs reference decoder")
     parser.add_argument("--child", nargs="+", metavar="MODEL OUT [FLAG]", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -281,6 +290,7 @@ def main() -> None:
         runs = [("bf16", bf16, {}, []), ("exl3", exl3, {}, [])]
         runs += [("exl3_int8", exl3, {"EXL3LOCAL_CPU_INT8": "1"}, [])] * args.int8
         runs += [("exl3_wide", exl3, {}, ["wide"])] * args.wide
+        runs += [("exl3_wplanes", exl3, {}, ["wplanes"])] * args.wplanes
         for round_ in range(args.rounds):  # the models alternate, so a change in the machine's load hits both
             for name, path, extra, flags in runs:
                 out = root / f"{name}.json"
@@ -289,7 +299,8 @@ def main() -> None:
                 r = json.loads(out.read_text())
                 r["load_average"] = os.getloadavg()[0]
                 print(f"round {round_ + 1}: {name} ({r['threads']} threads, load {r['load_average']:.1f}): decode "
-                      f"{r['decode_tok_s']:.2f} tok/s ({1e3 * r['decode_cpu_s_per_token']:.1f} ms CPU/token), prefill-512 {r['prefill_tok_s']:.1f} tok/s, RSS growth "
+                      f"{r['decode_tok_s']:.2f} tok/s ({1e3 * r['decode_cpu_s_per_token']:.1f} ms CPU/token), prefill-512 {r['prefill_tok_s']:.1f} tok/s, 16-token prompt "
+                      f"{1e3 * r['ttft16_s']:.0f} ms, RSS growth "
                       f"{r['rss_growth'] / 2**20:.0f} MiB (after load {r['rss_after_load'] / 2**20:.0f}, anonymous "
                       f"{r['anon_growth'] / 2**20:.0f}), load {r['load_s']:.1f} s; MiB: weights + KV + workspace "
                       f"{model_bytes(r) / 2**20:.1f} (" + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r["tensors"].items())
@@ -304,17 +315,19 @@ def main() -> None:
                         if r[f"{key}_tok_s"] > best[f"{key}_tok_s"]:
                             best.update({k: v for k, v in r.items() if k.startswith(key) and "cpu" not in k})
                     best["decode_cpu_s_per_token"] = min(best["decode_cpu_s_per_token"], r["decode_cpu_s_per_token"])
+                    best["ttft16_s"] = min(best["ttft16_s"], r["ttft16_s"])
     b = results["bf16"]
     for name in [run[0] for run in runs[1:]]:
         e = results[name]
         results[f"ratios_{name}"] = {
             "decode": e["decode_tok_s"] / b["decode_tok_s"], "prefill": e["prefill_tok_s"] / b["prefill_tok_s"],
             "decode_cpu": b["decode_cpu_s_per_token"] / e["decode_cpu_s_per_token"],
+            "ttft16": b["ttft16_s"] / e["ttft16_s"],
             "rss_growth": e["rss_growth"] / b["rss_growth"], "anon_growth": e["anon_growth"] / b["anon_growth"],
             "tensors": model_bytes(e) / model_bytes(b),
         }  # fmt: skip
         print(f"{name}/bf16: " + "decode {decode:.2f}x (by CPU time per token {decode_cpu:.2f}x), prefill-512 "
-              "{prefill:.2f}x, RSS growth {rss_growth:.2f}x (anonymous {anon_growth:.2f}x; the tensors alone: weights "
+              "{prefill:.2f}x, 16-token prompt {ttft16:.2f}x, RSS growth {rss_growth:.2f}x (anonymous {anon_growth:.2f}x; the tensors alone: weights "
               "+ KV + workspace {tensors:.2f}x)".format(**results[f"ratios_{name}"]))
     if not args.skip_linears:
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench (python -P adds no path)
