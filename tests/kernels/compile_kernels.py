@@ -5,10 +5,10 @@
                                         scripts/setup puts in .venv/triton-xpu; run with it first on PYTHONPATH)
 
 The interpreter accepts code that a compiler refuses (e.g. module-level ints read inside a kernel), and a
-construct Intel's backend does not lower would only show on Arc, so CI compiles for both. A kernel with a
-`tl.dot` must also get the target's matrix-unit layout (NVIDIA mma, Intel DPAS): a dot lowered to plain FMAs
-would be a silent slow path. Run with TRITON_INTERPRET unset (under the interpreter `triton.jit` returns
-objects that cannot be compiled). Exits 1 naming the first kernel that fails.
+construct Intel's backend does not lower would only show on Arc, so CI compiles SPIR-V (and the GPU test runs
+sm_90). A kernel with a `tl.dot` must also get the target's matrix-unit layout (NVIDIA mma, Intel DPAS): a dot
+lowered to plain FMAs would be a silent slow path. Run with TRITON_INTERPRET unset (under the interpreter
+`triton.jit` returns objects that cannot be compiled). Exits 1 naming the first kernel that fails.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ MATMUL_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "ids_ptr": "*i32", "z_ptr": "*
 FUSED_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i64",
               "y_ptr": "*bf16", "z_ptr": "*fp32", "cnt_ptr": "*i32", "parts_ptr": "*i64",
               **{name: "i32" for name in ("M", "tiles_n", "stride_ym", "n_out", "k_steps", "steps_per_split",
-                                          "expert_words", "stride_zs")}}
+                                          "expert_words", "stride_zs")},
+              # in signature order: Triton 3.3 (Intel's) takes the signature by position
+              "x_ptr": "*bf16", "suh_ptr": "*fp16", "stride_xm": "i32", "k_valid": "i32"}
 FMA_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32", "tiles_n": "i32",
             "tk_per_split": "i32", "stride_zs": "i32",
             "svh_ptr": "*fp16", "bias_ptr": "*fp16", "y_ptr": "*bf16", "cnt_ptr": "*i32", "stride_ym": "i32",
@@ -63,7 +65,7 @@ def compile_one(fn, args: dict[str, str], constants: dict, **options) -> None:
     try:
         kernel = triton.compile(ASTSource(fn, signature, constants), target=TARGETS[BACKEND[0]], options=options)
     except Exception as exc:  # noqa: BLE001 -- report which kernel and specialisation failed, then stop
-        print(f"FAILED {fn.__name__} {constants}: {type(exc).__name__}: {exc}")
+        print(f"FAILED {fn.__name__} {constants}: {type(exc).__name__}: {exc} {exc.__cause__!r}")
         sys.exit(1)
     ttgir = kernel.asm["ttgir"]
     has_dot = any(op in ttgir for op in DOT_OPS)
@@ -111,9 +113,10 @@ def main() -> None:
     # (ids, splits, grouped parts, word loads, MoE tiles, 64-row tiles) does not depend on the rate's decode, so every
     # pair need not compile: all pairs were 30 fused compiles, two thirds of each target's time.
     served = dict(HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE, BM=16, PARTS=0, PAIRS=False,
-                  FLAT=True, GROUPED=False)
+                  FLAT=True, GROUPED=False, IN_X=False)
     variants = {  # rate: what differs from `served`
         ("mul1", 4): [dict(PARTS=3),  # grouped q/k/v parts
+                      dict(IN_X=True), dict(IN_X=True, PARTS=3),  # decode rows in one launch: u from x in the program
                       dict(GROUPED=True, PAIRS=True),  # MoE over expert-sorted tiles: gate/up pairs
                       dict(BM=triton_gemv.TILE_ROWS, PARTS=3)],  # the tiled path (more than 16 rows), grouped
         ("3inst", 2): [dict(SPLIT=False)],
