@@ -235,8 +235,9 @@ class CpuLinearKernel(Exl3Kernel):
         super().__init__(spec, device)
         self.bound: dict[tuple, object] = {}
         self.int8 = ops.int8_active(spec.codebook)  # read once: path_for names what apply runs
-        # The GEMM path runs bf16 rows on AMX where the CPU has it (ops.CpuLinear._gemm), fp32 BLAS otherwise.
-        self.amx = spec.act_dtype == torch.bfloat16 and ops.amx_active(ops.library())
+        # The GEMM path runs on AMX where the CPU has it and ops.CpuLinear.amx_rows says (bf16 rows; fp32 rows up to
+        # AMX_U_MAX_ROWS), fp32 BLAS otherwise.
+        self.amx = ops.amx_active(ops.library())
 
     @classmethod
     def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
@@ -253,7 +254,8 @@ class CpuLinearKernel(Exl3Kernel):
         from exl3local.kernels.cpu import ops
 
         if rows > ops.GEMV_MAX_ROWS:
-            return KernelPath.CPU_GEMM_AMX if self.amx else KernelPath.CPU_GEMM
+            amx = self.amx and ops.CpuLinear.amx_rows(self.spec.act_dtype, rows)
+            return KernelPath.CPU_GEMM_AMX if amx else KernelPath.CPU_GEMM
         return KernelPath.CPU_GEMV_INT8 if self.int8 else KernelPath.CPU_GEMV
 
     def apply(self, x, trellis, suh, svh, bias=None):

@@ -152,6 +152,14 @@ class CpuLinear:
         self.int8 = int8_active(codebook, self.lib, int8)
         self.amx = amx_active(self.lib)
 
+    @staticmethod
+    def amx_rows(dtype: torch.dtype, rows: int) -> bool:
+        """Whether a GEMM of `rows` rows in `dtype` runs on AMX (where amx_active): bf16 rows always (the W' planes
+        take x as it is), fp32 rows up to AMX_U_MAX_ROWS (the u split computes u in fp32 from any x; this serves the
+        MoE path's busier experts). fp16 rows keep the fp32 BLAS path (the load-time self-test names fp16's GEMM
+        check `cpu_gemm`)."""
+        return dtype == torch.bfloat16 or (dtype == torch.float32 and rows <= AMX_U_MAX_ROWS)
+
     def path_for(self, rows: int) -> str:
         if rows > GEMV_MAX_ROWS:
             return "gemm"
@@ -179,7 +187,7 @@ class CpuLinear:
         """Up to GEMM_ROWS rows per pass: u = H(x ⊙ suh) in the workspace, then per strip of columns Ŵ decoded once,
         one BLAS matmul, the output transform, and the strip cast into the output. Every fp32 intermediate lives
         in this thread's workspace, so a prefill leaves no large freed buffers behind (the heap would keep them)."""
-        if self.amx and x.dtype == torch.bfloat16:
+        if self.amx and self.amx_rows(x.dtype, x.shape[0]):
             return self._gemm_amx(x, out_dtype, bias, threads)
         k, n = self.size_k, self.size_n
         out = torch.empty(x.shape[0], n, dtype=out_dtype)
@@ -209,9 +217,10 @@ class CpuLinear:
 
     def _gemm_amx(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
                   threads: int) -> torch.Tensor:
-        """bf16 x on AMX: y = H(x · W') ⊙ svh (+ bias) per 128-column panel, W' decoded, transformed and split into
-        bf16 planes inside the library (no workspace here); the fp32 sums are rounded once into a bf16 output. Up to
-        AMX_U_MAX_ROWS rows: H(u · Ŵ) ⊙ svh (+ bias), u = H(x ⊙ suh) in three bf16 planes, Ŵ in two (exact too)."""
+        """x on AMX (amx_rows): y = H(x · W') ⊙ svh (+ bias) per 128-column panel, W' decoded, transformed and split
+        into bf16 planes inside the library (no workspace here); the fp32 sums are rounded once into a bf16 output. Up
+        to AMX_U_MAX_ROWS rows (bf16 or fp32 x): H(u · Ŵ) ⊙ svh (+ bias), u = H(x ⊙ suh) in three bf16 planes, Ŵ in
+        two (exact too)."""
         y_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
         y = torch.empty(x.shape[0], self.size_n, dtype=y_dtype)
         bias = bias.float().contiguous() if bias is not None else None

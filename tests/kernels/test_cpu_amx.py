@@ -121,20 +121,29 @@ def test_without_amx_bf16_goes_through_the_fp32_path(monkeypatch):
     torch.testing.assert_close(lin(x, torch.float32), amx, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,path", [(torch.bfloat16, KernelPath.CPU_GEMM_AMX), (torch.float16, KernelPath.CPU_GEMM)])
-def test_dispatch_names_the_gemm_engine_that_serves_the_call(monkeypatch, dtype, path):
-    """The trace and the dashboard say which engine ran a prefill: AMX for bf16 rows, fp32 BLAS for other dtypes."""
+_U, _W = "exl3_cpu_gemm_amx_u", "exl3_cpu_gemm_amx"
+
+
+@pytest.mark.parametrize("dtype,served", [(torch.bfloat16, [_U, _U, _W]), (torch.float32, [_U, _U, None]),
+                                          (torch.float16, [None, None, None])])
+def test_dispatch_names_the_gemm_engine_that_serves_the_call(monkeypatch, dtype, served):
+    """The trace and the dashboard say which engine ran a prefill: AMX for bf16 rows (few through the u split, more
+    through the W' planes) and for fp32 rows up to AMX_U_MAX_ROWS (the u split; the MoE path's busier experts), fp32
+    BLAS otherwise. Rows: GEMV_MAX_ROWS + 1, AMX_U_MAX_ROWS, AMX_U_MAX_ROWS + 1."""
     trellis, suh, svh = _layer(256, 256, 4, "mul1")
     kernel = CpuLinearKernel(KernelSpec(256, 256, 4, "mul1", dtype), DeviceInfo.of(torch.device("cpu")))
     lib = ops.library()
     calls = []
-    for name in ("exl3_cpu_gemm_amx", "exl3_cpu_gemm_amx_u"):
+    for name in (_W, _U):
         monkeypatch.setattr(lib, name, lambda *args, fn=getattr(lib, name), name=name: calls.append(name) or fn(*args))
     x = torch.randn(ops.AMX_U_MAX_ROWS + 1, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
     assert kernel.path_for(1) is KernelPath.CPU_GEMV
-    for rows in (ops.GEMV_MAX_ROWS + 1, ops.AMX_U_MAX_ROWS, ops.AMX_U_MAX_ROWS + 1):
+    for rows, entry in zip((ops.GEMV_MAX_ROWS + 1, ops.AMX_U_MAX_ROWS, ops.AMX_U_MAX_ROWS + 1), served):
+        calls.clear()
+        path = KernelPath.CPU_GEMM_AMX if entry else KernelPath.CPU_GEMM
         assert kernel.path_for(rows) is path
-        kernel.apply(x[:rows], trellis, suh, svh)
-    amx = path is KernelPath.CPU_GEMM_AMX
-    # few rows through the u split, more through the W' planes
-    assert calls == (["exl3_cpu_gemm_amx_u", "exl3_cpu_gemm_amx_u", "exl3_cpu_gemm_amx"] if amx else [])
+        y = kernel.apply(x[:rows], trellis, suh, svh)
+        assert calls == ([entry] if entry else [])
+        want = reference.linear(x[:rows].float(), trellis, suh, svh, 4, "mul1")
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16/fp16 outputs: the fp32 sums rounded once
+        torch.testing.assert_close(y.float(), want.to(dtype).float(), rtol=tol, atol=tol)
