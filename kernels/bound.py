@@ -33,6 +33,14 @@ from exl3local.kernels.triton_gemv import (
 from exl3local.kernels.triton_hadamard import NATURAL, _input_kernel, hadamard_operands, rows_per_program
 
 MAX_ROWS = 16  # one dot tile of rows; more rows go to the tiled path if on, else the reconstruct path
+# Dense rows up to this many: the matmul program computes its own input transform (triton_fused IN_X), one launch per
+# projection or grouped layer instead of two. 0: the separate input-transform launch (the bench's "before").
+ONE_LAUNCH_MAX_ROWS = MAX_ROWS
+# ...where the transform work every column block repeats, column blocks x k, is at most this: the largest group that
+# measured a win. On the H200 (s11a, docs/PERF.md "Session 11") one launch everywhere won every 35B-A3B decode step (its
+# groups up to in_proj_qkvz's 96 blocks x 2048) and lost every 27B one (groups 40 x 6144 to 136 x 5120: +8 % at 1 row,
+# +32 % at 16). Arc, where a launch costs far more, may gain from a higher limit: unmeasured.
+ONE_LAUNCH_MAX_WORK = 96 * 2048
 
 BLOCK_N = FUSED_BLOCK_N_TILES * 16
 
@@ -48,6 +56,7 @@ def tiled_max_rows() -> int:
 
 INPUT_VARYING = ("x_ptr", "ids_ptr", "u_ptr", "M", "stride_xm")
 FUSED_VARYING = ("u_ptr", "ids_ptr", "y_ptr", "z_ptr", "cnt_ptr", "M", "stride_ym", "stride_zs")
+ONE_LAUNCH_VARYING = FUSED_VARYING + ("x_ptr", "stride_xm")
 FMA_VARYING = ("u_ptr", "y_ptr", "z_ptr", "cnt_ptr", "M", "stride_ym", "stride_zs")
 
 
@@ -70,6 +79,7 @@ class FusedLaunch:
         plain, self.stream = launch_mode(exl3_fused_kernel, self.device)
         self.input = DirectLaunch(_input_kernel, INPUT_VARYING, plain)
         self.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, plain, num_warps=num_warps, num_stages=1)
+        self.one = DirectLaunch(exl3_fused_kernel, ONE_LAUNCH_VARYING, plain, num_warps=num_warps, num_stages=1)
         self.fma = None if experts or bits not in FMA_ONE_ROW_BITS else DirectLaunch(exl3_gemv_ring_kernel,
                                                                                       FMA_VARYING, plain)
         # More than MAX_ROWS rows (not MoE units): the same kernel with TILE_ROWS-row tiles, own warps and KT.
@@ -85,7 +95,8 @@ class FusedLaunch:
                                 expert_words=trellis[0].numel() // 2 if experts else 0,
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
                                 SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0, PAIRS=False,
-                                FLAT=True, GROUPED=False)
+                                FLAT=True, GROUPED=False, x_ptr=svh, suh_ptr=suh, stride_xm=0, k_valid=self.size_k,
+                                IN_X=False)
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
@@ -107,7 +118,7 @@ class FusedLaunch:
         """Forget the call plans and the direct launches' argument templates, after a change to the fixed
         arguments (splits, FLAT: the bench's sweeps); the next call of each signature binds afresh."""
         self.plans.clear()
-        for launch in (self.input, self.fused, self.tiled, self.fma):
+        for launch in (self.input, self.fused, self.one, self.tiled, self.fma):
             if launch is not None:
                 launch.compiled.clear()
 
@@ -153,7 +164,7 @@ class FusedLaunch:
 
     def _plan(self, key: tuple) -> tuple:
         """Grids, workspace needs and the fixed arguments of both launches for one call signature."""
-        rows, _, _, _, _, x_div, k_valid, n_out, _, pairs, glu, tiles = key
+        rows, _, _, _, _, x_div, k_valid, n_out, _, pairs, glu, tiles, one = key
         if not self.experts and rows > self.max_rows:
             raise ValueError(f"{rows} rows: more than this launch serves ({self.max_rows}, EXL3LOCAL_TILED_MAX_ROWS)")
         m_blocks = rows if self.experts else 1
@@ -177,10 +188,17 @@ class FusedLaunch:
             blocks, splits, block_nt = self.fma_split()
             matmul = (self.fma, (blocks, splits, 1),
                       dict(self.fma_fixed, n_out=n_out, tk_per_split=self.size_k // 16 // splits, BM=1, BNT=block_nt))
+        elif one and not self.experts:
+            matmul = (self.one, (self.n_blocks, splits, m_blocks),
+                      dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, IN_X=True,
+                           k_valid=k_valid))
+            return self._keep(key, (None, needs, None, *matmul))
         else:
             matmul = (self.fused, (self.n_blocks, splits, m_blocks),
                       dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs))
-        plan = ((-(-rows // block_m), self.k_blocks, 1), needs, input_fixed, *matmul)
+        return self._keep(key, ((-(-rows // block_m), self.k_blocks, 1), needs, input_fixed, *matmul))
+
+    def _keep(self, key: tuple, plan: tuple) -> tuple:
         self.plans[key] = plan
         return plan
 
@@ -195,7 +213,8 @@ class FusedLaunch:
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, x_div,
                self.size_k if k_valid is None else k_valid, self.size_n if n_out is None else n_out,
-               None if ids is None else (ids.dtype, ids.data_ptr() % 16 == 0), pairs, glu, tiles[1] if tiles else 0)
+               None if ids is None else (ids.dtype, ids.data_ptr() % 16 == 0), pairs, glu, tiles[1] if tiles else 0,
+               rows <= ONE_LAUNCH_MAX_ROWS and self.n_blocks * self.size_k <= ONE_LAUNCH_MAX_WORK)
         input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
         stream = self.stream()
         ws = Workspace._live.get((self.device, stream))
@@ -204,6 +223,12 @@ class FusedLaunch:
         ids_ = ids if ids is not None else ws.counters  # any device pointer: HAS_IDS=False never reads it
         ids_ptr, u_ptr = ids_.data_ptr(), ws.inputs_ptr
         x_stride, y_stride, stride_zs = x.stride(0), y.stride(0), rows * self.size_n
+        if input_grid is None:  # one launch: the matmul programs transform x themselves (IN_X)
+            matmul(grid, stream, key, fixed,
+                   (ws.inputs, ids_, y, ws.partials, ws.counters, rows, y_stride, stride_zs, x, x_stride),
+                   (u_ptr, ids_ptr, y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs, x_ptr,
+                    x_stride))
+            return
         self.input(input_grid, stream, key, input_fixed, (x, ids_, ws.inputs, rows, x_stride),
                    (x_ptr, ids_ptr, u_ptr, rows, x_stride))
         if tiles:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from exl3local.kernels.bound import BLOCK_N, FUSED_VARYING, MAX_ROWS, FusedLaunch
+from exl3local.kernels import bound
+from exl3local.kernels.bound import BLOCK_N, FUSED_VARYING, MAX_ROWS, ONE_LAUNCH_VARYING, FusedLaunch
 from exl3local.kernels.launcher import DirectLaunch, Workspace
 from exl3local.kernels.triton_fused import exl3_fused_kernel
 from exl3local.kernels.triton_gemv import FMA_ONE_ROW_BITS
@@ -41,6 +42,8 @@ class GroupLaunch(FusedLaunch):
         if self.device.type == "cuda" and bits in GROUP_MAX_REGISTERS:
             self.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, self.fused.hooks is None,
                                       maxnreg=GROUP_MAX_REGISTERS[bits], **self.fused.options)
+            self.one = DirectLaunch(exl3_fused_kernel, ONE_LAUNCH_VARYING, self.one.hooks is None,
+                                    maxnreg=GROUP_MAX_REGISTERS[bits], **self.one.options)
         device = self.device
         self.suh = torch.stack([suh for _, suh, _, _ in parts])
         rows = []
@@ -57,7 +60,7 @@ class GroupLaunch(FusedLaunch):
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         self.part_ids = torch.arange(self.max_rows * self.count, device=device, dtype=torch.int32) % self.count
         self.input_fixed = dict(self.input_fixed, suh_ptr=self.suh, HAS_IDS=True)
-        grouped = dict(tiles_n=self.size_n // 16, parts_ptr=self.table, PARTS=self.count)
+        grouped = dict(tiles_n=self.size_n // 16, parts_ptr=self.table, PARTS=self.count, suh_ptr=self.suh)
         self.fused_fixed = dict(self.fused_fixed, **grouped)
         self.tiled_fixed = dict(self.tiled_fixed, **grouped)
 
@@ -69,7 +72,7 @@ class GroupLaunch(FusedLaunch):
         return rows * self.count * self.size_k, splits * rows * self.size_n, self.n_blocks
 
     def _plan(self, key: tuple) -> tuple:
-        rows, _, _, _, _, _, k_valid, _, _, _, _ = key
+        rows, _, _, _, _, _, k_valid, _, _, _, _, one = key
         if rows > self.max_rows:
             raise ValueError(f"{rows} rows: more than this launch serves ({self.max_rows}, EXL3LOCAL_TILED_MAX_ROWS)")
         units = rows * self.count
@@ -82,18 +85,21 @@ class GroupLaunch(FusedLaunch):
                            SPLIT=splits > 1))
         else:
             splits, per_split = self.split_for(1)
-            matmul = (self.fused, (self.n_blocks, splits, 1),
-                      dict(self.fused_fixed, n_out=0, steps_per_split=per_split, SPLIT=splits > 1))
-        plan = ((-(-units // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul)
-        self.plans[key] = plan
-        return plan
+            fixed = dict(self.fused_fixed, n_out=0, steps_per_split=per_split, SPLIT=splits > 1)
+            if one:  # the matmul programs transform x themselves (triton_fused IN_X), each part with its suh
+                return self._keep(key, (None, self.needs(rows), None, self.one, (self.n_blocks, splits, 1),
+                                        dict(fixed, IN_X=True, k_valid=k_valid)))
+            matmul = (self.fused, (self.n_blocks, splits, 1), fixed)
+        return self._keep(key, ((-(-units // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul))
 
     def launch(self, x: torch.Tensor, y: torch.Tensor, rows: int, ids=None, x_div: int = 1,
                k_valid: int | None = None, n_out: int | None = None) -> None:
         """y[:rows, :Σ out] = every part of x's rows, side by side (k_valid features of x are given)."""
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, 1,
-               self.size_k if k_valid is None else k_valid, 0, None, False, False)
+               self.size_k if k_valid is None else k_valid, 0, None, False, False,
+               rows <= min(bound.ONE_LAUNCH_MAX_ROWS, MAX_ROWS)
+               and self.n_blocks * self.size_k <= bound.ONE_LAUNCH_MAX_WORK)
         input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
         stream = self.stream()
         ws = Workspace._live.get((self.device, stream))
@@ -101,6 +107,12 @@ class GroupLaunch(FusedLaunch):
             ws = Workspace.get(self.device, stream, *needs)
         ids_, units, u_ptr = self.part_ids, rows * self.count, ws.inputs_ptr
         x_stride, y_stride, stride_zs = x.stride(0), y.stride(0), rows * self.size_n
+        if input_grid is None:
+            matmul(grid, stream, key, fixed,
+                   (ws.inputs, ids_, y, ws.partials, ws.counters, rows, y_stride, stride_zs, x, x_stride),
+                   (u_ptr, ids_.data_ptr(), y_ptr, ws.partials_ptr, ws.counters_ptr, rows, y_stride, stride_zs, x_ptr,
+                    x_stride))
+            return
         self.input(input_grid, stream, key, input_fixed, (x, ids_, ws.inputs, units, x_stride),
                    (x_ptr, ids_.data_ptr(), u_ptr, units, x_stride))
         matmul(grid, stream, key, fixed, (ws.inputs, ids_, y, ws.partials, ws.counters, rows, y_stride, stride_zs),

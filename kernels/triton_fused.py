@@ -1,5 +1,6 @@
 """EXL3 decode matmul with the output transform as a last-split epilogue (v4): one launch after the input
-transform, for up to 16 rows and for MoE (token, expert) units. Two launches per projection in all.
+transform, for up to 16 rows and for MoE (token, expert) units; for dense rows (IN_X) the program computes the
+input transform of its own rows and K range first, so a projection (or a grouped layer) is one launch.
 
 Per program (16·BNT = 128 output columns = one Hadamard block, one K split of steps_per_split steps of
 16·KT rows, split as triton_gemv.choose_splits splits the three-launch path): the ring-order decode matmul
@@ -19,7 +20,11 @@ next launch. Counters and partials live in a per-stream workspace (kernels/bound
 
 Measured and dropped (docs/PERF.md v4a): the input transform inside this kernel (a 16×128×16KT dot with a
 gathered slice of the ±1 matrix per K step, recomputed by every column block) made it 1-wide launch but
-ran 4-10x slower (5120x17408 mul1 K4, 16 rows: 618 vs 105 µs).
+ran 4-10x slower (5120x17408 mul1 K4, 16 rows: 618 vs 105 µs). IN_X differs: u is computed once per program
+(not per K step) by an fp32 butterfly (no ±1 matrix loaded), stored to the workspace and read back by the K loop.
+It serves small groups only (kernels/bound.ONE_LAUNCH_MAX_WORK): on the H200 it won every 35B-A3B decode step and lost
+every 27B one (docs/PERF.md "Session 11"). Measured and dropped there: the transform a Hadamard block at a time inside
+the K loop (a branch and a barrier per block in the loop): 27B 1.6-2.2x slower per step.
 """
 
 from __future__ import annotations
@@ -80,13 +85,37 @@ def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bi
                  mask=mask & (cols < n_out)[None, :])
 
 
+@triton.jit
+def input_rows(x_ptr, stride_xm, suh_ptr, u_ptr, size_k, k_valid, k0, k_len, row0, rows, u_mul, u_add,
+               SCALE: tl.constexpr):
+    """u = fp16(H128(fp16(x ⊙ suh))) (triton_hadamard._input_kernel's rounding points, the sum an fp32 butterfly
+    instead of a dot with the ±1 matrix) for x rows [row0, row0 + rows) over the K range [k0, k0 + k_len), stored
+    as u row r·u_mul + u_add (a grouped part's rows). The whole 128-blocks covering the range are transformed; only
+    the range is stored. Programs of other column blocks store the same bits to the same places."""
+    c = tl.arange(0, 128)
+    for kb in range((k0 // 128) * 128, k0 + k_len, 128):
+        k = kb + c
+        s = tl.load(suh_ptr + k).to(tl.float32)[None, :]
+        keep = ((k >= k0) & (k < k0 + k_len))[None, :]
+        for r0 in range(row0, row0 + rows, EPILOGUE_ROWS):
+            r = r0 + tl.arange(0, EPILOGUE_ROWS)
+            mask = (r < row0 + rows)[:, None]
+            x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=mask & (k < k_valid)[None, :],
+                        other=0.0).to(tl.float32)
+            u = had128_rows((x * s).to(tl.float16).to(tl.float32), EPILOGUE_ROWS) * SCALE
+            ur = (r * u_mul + u_add).to(tl.int64)
+            tl.store(u_ptr + ur[:, None] * size_k + k[None, :], u.to(tl.float16), mask=mask & keep)
+
+
 @triton.jit(do_not_specialize=VARYING_ARGS)
 def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cnt_ptr, parts_ptr,
                       M, tiles_n, stride_ym, n_out, k_steps, steps_per_split, expert_words, stride_zs,
+                      x_ptr, suh_ptr, stride_xm, k_valid,
                       KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
                       CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0,
-                      PAIRS: tl.constexpr = False, FLAT: tl.constexpr = True, GROUPED: tl.constexpr = False):
+                      PAIRS: tl.constexpr = False, FLAT: tl.constexpr = True, GROUPED: tl.constexpr = False,
+                      IN_X: tl.constexpr = False):
     """y = H(u·Ŵ)⊙svh (+ bias) for BM rows of u (MoE: one unit in row 0) × 128 columns, one K split.
     u is (M, k) fp16, contiguous; y keeps the first n_out columns, rows stride_ym apart (a part of a fused
     layer writes its slice of the layer's output in place).
@@ -103,7 +132,11 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
     hold the unit count and do nothing). With PAIRS (gate/up of the stacked w13 arena, M = 2·units) program row
     pid_m is tile pid_m // 2's part pid_m % 2: unit rows 2·order + part through expert row 2·e + part.
 
-    FLAT: the trellis words loaded through flat indices (triton_decode.ring_tiles), lane-linear whatever the rate."""
+    FLAT: the trellis words loaded through flat indices (triton_decode.ring_tiles), lane-linear whatever the rate.
+
+    IN_X (dense rows, not MoE): the program computes u for its own rows and K range from x (k_valid features, rows
+    stride_xm apart; suh_ptr the part's suh, with PARTS the parts' stacked suh) into u_ptr before its K loop
+    (input_rows), so the projection is one launch; else u is the input transform's output."""
     BNT: tl.constexpr = 8
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -120,6 +153,11 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         local_n = pid_n - tl.load(row + 6)
         rm = pid_m * BM + lane
         mask_m = rm < M
+        if IN_X:
+            input_rows(x_ptr, stride_xm, suh_ptr + tl.load(row + 5) * size_k, u_ptr, size_k, k_valid,
+                       pid_s * steps_per_split * KT * 16, steps_per_split * KT * 16, pid_m * BM,
+                       tl.minimum(M - pid_m * BM, BM), PARTS, tl.load(row + 5), SCALE)
+            tl.debug_barrier()  # this program's u stores are visible to all its threads before the K loop reads them
         acc = ring_dot(u_ptr, w_ptr + tl.multiple_of(tl.load(row), 16), rm * PARTS + tl.load(row + 5), mask_m, size_k, part_n,
                        pid_s * steps_per_split * KT, steps_per_split, local_n * BNT, KA, HALF, W32, G, CODEBOOK, BM,
                        BNT, KT, FLAT)
@@ -178,6 +216,10 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         mask_m = rm < M
         row0 = pid_m * BM
         rows = tl.minimum(M - row0, BM)
+        if IN_X:
+            input_rows(x_ptr, stride_xm, suh_ptr, u_ptr, size_k, k_valid, pid_s * steps_per_split * KT * 16,
+                       steps_per_split * KT * 16, row0, rows, 1, 0, SCALE)
+            tl.debug_barrier()  # as above
     acc = ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, pid_s * steps_per_split * KT, steps,
                    pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT, FLAT)
     # Every split stores its partial; the last one to arrive (or the only one) finishes the block.

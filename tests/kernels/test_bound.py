@@ -295,12 +295,17 @@ def test_split_k_fills_an_xe2_core_with_sixteen_programs(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [2, 20])  # the fused launch; the reconstruct path above the bound rows
-def test_bound_layer_reads_its_device_tables_where_a_reload_rewrites_them(make_layer, kernel_device, rows):
+def test_bound_layer_reads_its_device_tables_where_a_reload_rewrites_them(monkeypatch, make_layer, kernel_device,
+                                                                         rows):
     """What a wake from sleep level 2 relies on (plugin/reload.py): the cached Hadamard tables a bound layer's
     launches point at are lost with the weights' memory pool on a GPU, and rewritten in place by the reload; the
-    same bound layer must then answer as before, and must not have answered from a copy while they were lost."""
-    from exl3local.kernels import hadamard, triton_hadamard
+    same bound layer must then answer as before, and must not have answered from a copy while they were lost.
+    At 2 rows the input-transform launch (which reads the ±1 table; MoE units keep it): the one-launch path reads
+    no table."""
+    from exl3local.kernels import bound, hadamard, triton_hadamard
     from exl3local.plugin import reload
+
+    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_ROWS", 0)
 
     trellis, suh, svh = make_layer(128, 128, 4, "mul1", seed=21)
     kernel = prepare(KernelSpec(128, 128, 4, "mul1", torch.float16), kernel_device, "triton")
@@ -313,3 +318,41 @@ def test_bound_layer_reads_its_device_tables_where_a_reload_rewrites_them(make_l
     assert not torch.equal(layer(x), before)
     reload.refresh_device_tables(device, set())
     assert torch.equal(layer(x), before)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_decode_rows_are_one_launch_with_the_input_transform_in_the_matmul(monkeypatch, relative_error, kernel_device,
+                                                                          grouped):
+    """Up to ONE_LAUNCH_MAX_ROWS rows the matmul programs compute u from x for their own K range (triton_fused IN_X):
+    no input-transform launch, the same result as the two-launch path within fp32 noise. Four splits over k = 256
+    give 64-feature K ranges (a part of a Hadamard block each); grouped parts each use their own suh; padding and
+    bias as masks."""
+    from exl3local.kernels import bound
+    from exl3local.kernels.bound_group import GroupLaunch
+
+    in_features, k, widths, outs = 200, 256, (128, 128) if grouped else (128,), (128, 100) if grouped else (100,)
+    g = torch.Generator().manual_seed(31)
+    words = reference.words_per_tile(4)
+    sizes = [(k // 16) * (n // 16) * words for n in widths]
+    arena = torch.randint(-32768, 32768, (sum(sizes),), generator=g, dtype=torch.int16).to(kernel_device)
+    suh = (torch.randn(len(widths), k, generator=g) * 0.05).half().to(kernel_device)
+    svh = (torch.randn(sum(widths), generator=g) * 0.05).half().to(kernel_device)
+    bias = torch.randn(sum(outs), generator=g).to(kernel_device)
+    x = torch.randn(3, in_features, generator=g).to(kernel_device)
+    kernel = prepare(KernelSpec(k, 128, 4, "mul1", torch.float32), kernel_device, "triton")
+    parts = [(kernel, arena[sum(sizes[:i]):sum(sizes[:i + 1])].view(k // 16, n // 16, words), suh[i],
+              svh[i * 128:(i + 1) * 128], out) for i, (n, out) in enumerate(zip(widths, outs))]
+    layer = BoundLinear(parts, in_features, bias)
+    (launch, _, _), = layer.launches
+    assert isinstance(launch, GroupLaunch) == grouped
+    launch.splits[1] = (4, launch.k_steps // 4)
+    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_ROWS", 0)  # the two-launch path
+    before = layer(x)
+    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_ROWS", bound.MAX_ROWS)
+    monkeypatch.setattr(launch, "input", lambda *args: pytest.fail("the input transform was launched"))
+    one = layer(x)
+    assert relative_error(one, before) < FP32_NOISE
+    padded = torch.nn.functional.pad(x, (0, k - in_features)).double()
+    expected = torch.cat([reference.linear(padded, t, s, v, 4, "mul1")[:, :out] for _, t, s, v, out in parts], -1)
+    assert relative_error(one, expected + bias.double()) < 1e-3  # u is fp16 (~3e-4)
+    assert counters_clear()
