@@ -2,7 +2,8 @@
 // W' = diag(suh) · H · Ŵ, one 128-column panel at a time, then the output transform (H, ⊙ svh) on the fp32 sums.
 // The input transform is folded into the weight, so x enters the GEMM as it is (bf16, exact). W' is computed in fp32
 // and split exactly into bf16 planes (W' = p0 + p1 + p2, 8 significand bits each: fp32's 24), so with three planes
-// every AMX product is exact and the sums stay in fp32: an fp32 GEMM's accuracy at bf16's speed per plane.
+// every AMX product is exact and the sums stay in fp32: an fp32 GEMM's accuracy at bf16's speed per plane. Few rows
+// (bf16 or fp32 x) take a second exact split instead, whose pack is cheaper: gemm_amx_u_impl below.
 #pragma once
 #if defined(EXL3_AVX512) && defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) \
     && __has_include(<amxbf16intrin.h>)
@@ -231,6 +232,7 @@ EXL3_AMX void gemm_amx_impl(const int16_t* trellis, int tiles_k, int tiles_n, co
 // bits), into two: h (its top 8 bits, the upper half of the fp32) and l = w - h (the other 3 bits, exact in bf16).
 // All six products u_i·w_j are exact and AMX sums them in fp32: six passes instead of three, but the pack is a
 // decode, the qword transpose and one split. Same B layout as pack_strip (two planes, plane_stride apart).
+
 // h and l of one parity class's 8 decoded groups (v: group 2gg + p at gg), stored as B rows of tile row tk.
 EXL3_AMX inline void split_store(__m512i* v, int p, int tk, uint16_t* bp, size_t plane_stride) {
     const __m512i pick = _mm512_load_si512(UPPER_HALVES);
