@@ -80,23 +80,26 @@ def test_few_rows_take_the_u_split_as_exact_as_the_fp32_path(codebook, bits, row
 
 
 @pytest.mark.parametrize("bits", [1.5, 4])
-def test_u_split_decodes_mul1_with_avx512_fp16_to_the_same_planes(bits):
-    """The u split's pack decodes mul1 32 weights per fp16 fma where the CPU has AVX512-FP16 (every AMX CPU so far):
-    the same weights as the 32-bit decode, so the same output bit for bit, with the head group's ring wrap."""
+def test_amx_packs_decode_mul1_with_avx512_fp16_to_the_same_planes(bits):
+    """Both AMX packs (the u split's and the W' planes') decode mul1 32 weights per fp16 fma where the CPU has
+    AVX512-FP16 (every AMX CPU so far): the same weights as the 32-bit decode, so the same outputs bit for bit, with
+    the head group's ring wrap."""
     lib = ops.library()
     if not lib.exl3_cpu_fp16(-1):
         pytest.skip("no AVX512-FP16 on this CPU (or no compiler support)")
     trellis, suh, svh = _layer(256, 384, bits, "mul1", seed=int(4 * bits))
     lin = ops.CpuLinear(trellis, suh, svh, bits, "mul1")
     x = torch.randn(12, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
-    fp16 = _u_split(lin, x)
+    fp16 = _u_split(lin, x), _planes(lin, x, ops.AMX_PLANES)
     try:
         assert lib.exl3_cpu_fp16(0) == 0
-        wide = _u_split(lin, x)
+        wide = _u_split(lin, x), _planes(lin, x, ops.AMX_PLANES)
     finally:
         assert lib.exl3_cpu_fp16(1) == 1
-    assert torch.equal(fp16, wide)
-    torch.testing.assert_close(fp16, reference.linear(x.float(), trellis, suh, svh, bits, "mul1"), rtol=1e-5, atol=1e-5)
+    want = reference.linear(x.float(), trellis, suh, svh, bits, "mul1")
+    for got, before in zip(fp16, wide):
+        assert torch.equal(got, before)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [9, 33])
