@@ -2,7 +2,8 @@
 exllamav3 1.6.5, in one process: whole model steps as bench/model_step.py builds and times them (eager, graph,
 launches, host µs per step), plus how far the one-launch outputs are from the two-launch ones per linear group.
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
-bound.ONE_LAUNCH_MAX_WORK), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
+bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units in two launches, dense as served),
+one_all (one launch for every group), two_again (two, re-timed: the run's drift).
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
 """
@@ -26,10 +27,20 @@ from exl3local.kernels import bound  # noqa: E402
 
 
 def two_launch(step):
-    """step with every dense projection in two launches (the input transform, then the matmul): the path before."""
+    """step with every dense and MoE units projection in two launches (the input transform, then the matmul): the
+    path before."""
     def swap():
-        old, bound.ONE_LAUNCH_MAX_ROWS = bound.ONE_LAUNCH_MAX_ROWS, 0
-        return lambda: setattr(bound, "ONE_LAUNCH_MAX_ROWS", old)
+        old = bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS
+        bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS = 0, 0
+        return lambda: (setattr(bound, "ONE_LAUNCH_MAX_ROWS", old[0]), setattr(bound, "ONE_LAUNCH_MAX_UNITS", old[1]))
+    return patched_step(step, swap)
+
+
+def units_two(step):
+    """step with the MoE units projections in two launches, the dense ones as served (session 11's s11c code)."""
+    def swap():
+        old, bound.ONE_LAUNCH_MAX_UNITS = bound.ONE_LAUNCH_MAX_UNITS, 0
+        return lambda: setattr(bound, "ONE_LAUNCH_MAX_UNITS", old)
     return patched_step(step, swap)
 
 
@@ -42,19 +53,26 @@ def one_all(step):
 
 
 def difference(layers, rows: int) -> dict:
-    """Per linear group of the first two layers: relative difference one vs two launches, and whether bit-equal."""
+    """Per linear group and MoE call of the first four layers: relative difference one vs two launches, bit-equal?"""
     gen = torch.Generator(device="cuda").manual_seed(5)
     out = {}
     for ops in layers[:4]:
         for kind, obj, _ in ops:
-            if kind != "linear":
-                continue
-            x = torch.randn(rows, obj.k, generator=gen, device="cuda").half()
-            one = obj.ours(x).double()
-            old, bound.ONE_LAUNCH_MAX_ROWS = bound.ONE_LAUNCH_MAX_ROWS, 0
-            two = obj.ours(x).double()
-            bound.ONE_LAUNCH_MAX_ROWS = old
-            name = f"{len(obj.parts)}x{obj.k}->{sum(obj.parts)}"
+            if kind == "linear":
+                x = torch.randn(rows, obj.k, generator=gen, device="cuda").half()
+                run = lambda obj=obj, x=x: obj.ours(x)  # noqa: E731
+                name = f"{len(obj.parts)}x{obj.k}->{sum(obj.parts)}"
+            else:
+                x = torch.randn(rows, obj.hidden, generator=gen, device="cuda").half()
+                scores = torch.randn(rows, obj.experts, generator=gen, device="cuda")
+                w, ids = torch.topk(torch.softmax(scores, -1), obj.top_k, dim=-1)
+                run = lambda obj=obj, x=x, w=w, ids=ids: obj.run(x, w, ids)  # noqa: E731
+                name = "moe"
+            one = run().double()
+            old = bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS
+            bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS = 0, 0
+            two = run().double()
+            bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS = old
             out[name] = [round(((one - two).norm() / two.norm()).item(), 9), bool(torch.equal(one, two))]
     return out
 
@@ -77,6 +95,8 @@ def main() -> int:
                 row = dict(model=name, rows=rows, difference=difference(layers, rows))
                 row["two"] = measure(two_launch(ours), rows, True)
                 row["one"] = measure(ours, rows, True)
+                if "experts" in cfg:
+                    row["units_two"] = measure(units_two(ours), rows, True)
                 if any(launch.n_blocks * launch.size_k > bound.ONE_LAUNCH_MAX_WORK for ops in layers
                        for kind, obj, _ in ops if kind == "linear" for launch, _, _ in obj.ours.launches):
                     row["one_all"] = measure(one_all(ours), rows, True)  # else the same as "one"

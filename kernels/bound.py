@@ -1,7 +1,8 @@
 """Launches bound once per layer: an EXL3 projection's two kernels (triton_hadamard's input transform, then
 triton_fused's decode matmul with the output transform in its epilogue) with weights, grids, split-K and
 scratch fixed at load time, so a decode call does no Python-side shape logic, no scratch allocation and
-no Triton argument binding.
+no Triton argument binding. Small groups at decode rows are one launch: the matmul programs make their own input
+transform (ONE_LAUNCH_MAX_ROWS, ONE_LAUNCH_MAX_WORK).
 
     layer = BoundLinear([(kernel, trellis, suh, svh, out_features), ...], in_features, bias)   # once
     y = layer(x)                                                  # (..., in_features) -> (..., Σ out_features)
@@ -41,6 +42,11 @@ ONE_LAUNCH_MAX_ROWS = MAX_ROWS
 # groups up to in_proj_qkvz's 96 blocks x 2048) and lost every 27B one (groups 40 x 6144 to 136 x 5120: +8 % at 1 row,
 # +32 % at 16). Arc, where a launch costs far more, may gain from a higher limit: unmeasured.
 ONE_LAUNCH_MAX_WORK = 96 * 2048
+# MoE projections over one (token, expert) unit per program (not expert-sorted tiles) likewise, up to this many units
+# per launch (gate/up pairs count two; 0: the input-transform launch, the bench's "before"). 35B-A3B step on the H200
+# (s11d), graph, against its MoE in two launches: 1 token (8 / 16 units in down / gate-up) 4.54 vs 4.70 ms, 4 tokens
+# (32 / 64) 6.51 vs 6.70, 16 tokens (128 / 256) 19.30 vs 18.78: a loss there.
+ONE_LAUNCH_MAX_UNITS = 64
 
 BLOCK_N = FUSED_BLOCK_N_TILES * 16
 
@@ -96,7 +102,7 @@ class FusedLaunch:
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
                                 SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0, PAIRS=False,
                                 FLAT=True, GROUPED=False, x_ptr=svh, suh_ptr=suh, stride_xm=0, k_valid=self.size_k,
-                                IN_X=False)
+                                x_div=1, IN_X=False, GLU=False)
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
@@ -188,14 +194,12 @@ class FusedLaunch:
             blocks, splits, block_nt = self.fma_split()
             matmul = (self.fma, (blocks, splits, 1),
                       dict(self.fma_fixed, n_out=n_out, tk_per_split=self.size_k // 16 // splits, BM=1, BNT=block_nt))
-        elif one and not self.experts:
-            matmul = (self.one, (self.n_blocks, splits, m_blocks),
-                      dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, IN_X=True,
-                           k_valid=k_valid))
-            return self._keep(key, (None, needs, None, *matmul))
         else:
-            matmul = (self.fused, (self.n_blocks, splits, m_blocks),
-                      dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs))
+            fixed = dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs)
+            if one:  # the matmul programs transform x themselves (triton_fused IN_X)
+                return self._keep(key, (None, needs, None, self.one, (self.n_blocks, splits, m_blocks),
+                                        dict(fixed, IN_X=True, k_valid=k_valid, x_div=x_div, GLU=glu)))
+            matmul = (self.fused, (self.n_blocks, splits, m_blocks), fixed)
         return self._keep(key, ((-(-rows // block_m), self.k_blocks, 1), needs, input_fixed, *matmul))
 
     def _keep(self, key: tuple, plan: tuple) -> tuple:
@@ -214,7 +218,8 @@ class FusedLaunch:
         key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, x_div,
                self.size_k if k_valid is None else k_valid, self.size_n if n_out is None else n_out,
                None if ids is None else (ids.dtype, ids.data_ptr() % 16 == 0), pairs, glu, tiles[1] if tiles else 0,
-               rows <= ONE_LAUNCH_MAX_ROWS and self.n_blocks * self.size_k <= ONE_LAUNCH_MAX_WORK)
+               (rows <= ONE_LAUNCH_MAX_UNITS and not tiles if self.experts else rows <= ONE_LAUNCH_MAX_ROWS)
+               and self.n_blocks * self.size_k <= ONE_LAUNCH_MAX_WORK)
         input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
         stream = self.stream()
         ws = Workspace._live.get((self.device, stream))
@@ -245,8 +250,9 @@ class BoundLinear:
     """A whole EXL3 linear with its tensors bound: x (..., in_features) -> (..., sum of out_features).
 
     Parts (fused vLLM layers: q/k/v, gate/up) share x, each with its own suh and bits. Up to max_rows rows,
-    parts at one rate in one allocation run as one GroupLaunch (two launches for the whole layer); otherwise
-    every part is two launches writing its columns of the output in place: x's padding to k and the
+    parts at one rate in one allocation run as one GroupLaunch (two launches for the whole layer, one
+    where ONE_LAUNCH_MAX_WORK allows); otherwise every part is two launches (one where it allows) writing its
+    columns of the output in place: x's padding to k and the
     output's trim to out_features are masks in the kernels, the bias is added in the epilogue. More rows
     take the reconstruct path with its launches bound per part (`rebuilt`); a part whose kernel is not Triton makes
     every call take each kernel's `apply` (pad, per part, trim, concatenate)."""

@@ -1,6 +1,6 @@
 """EXL3 decode matmul with the output transform as a last-split epilogue (v4): one launch after the input
-transform, for up to 16 rows and for MoE (token, expert) units; for dense rows (IN_X) the program computes the
-input transform of its own rows and K range first, so a projection (or a grouped layer) is one launch.
+transform, for up to 16 rows and for MoE (token, expert) units; with IN_X the program computes the input transform
+of its own rows (units) and K range first, so a projection (a grouped layer, an MoE projection) is one launch.
 
 Per program (16·BNT = 128 output columns = one Hadamard block, one K split of steps_per_split steps of
 16·KT rows, split as triton_gemv.choose_splits splits the three-launch path): the ring-order decode matmul
@@ -87,11 +87,12 @@ def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bi
 
 @triton.jit
 def input_rows(x_ptr, stride_xm, suh_ptr, u_ptr, size_k, k_valid, k0, k_len, row0, rows, u_mul, u_add,
-               SCALE: tl.constexpr):
+               SCALE: tl.constexpr, x_div=1, GLU: tl.constexpr = False):
     """u = fp16(H128(fp16(x ⊙ suh))) (triton_hadamard._input_kernel's rounding points, the sum an fp32 butterfly
     instead of a dot with the ±1 matrix) for x rows [row0, row0 + rows) over the K range [k0, k0 + k_len), stored
     as u row r·u_mul + u_add (a grouped part's rows). The whole 128-blocks covering the range are transformed; only
-    the range is stored. Programs of other column blocks store the same bits to the same places."""
+    the range is stored. Programs of other column blocks store the same bits to the same places. MoE units: x row
+    r // x_div, and with GLU silu(x[2·that]) ⊙ x[2·that + 1], as the input kernel reads them."""
     c = tl.arange(0, 128)
     for kb in range((k0 // 128) * 128, k0 + k_len, 128):
         k = kb + c
@@ -100,8 +101,14 @@ def input_rows(x_ptr, stride_xm, suh_ptr, u_ptr, size_k, k_valid, k0, k_len, row
         for r0 in range(row0, row0 + rows, EPILOGUE_ROWS):
             r = r0 + tl.arange(0, EPILOGUE_ROWS)
             mask = (r < row0 + rows)[:, None]
-            x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=mask & (k < k_valid)[None, :],
-                        other=0.0).to(tl.float32)
+            xrow = (r // x_div).to(tl.int64)[:, None]
+            xmask = mask & (k < k_valid)[None, :]
+            if GLU:
+                g = tl.load(x_ptr + 2 * xrow * stride_xm + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + (2 * xrow + 1) * stride_xm + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+                x = g / (1.0 + tl.exp(-g)) * up
+            else:
+                x = tl.load(x_ptr + xrow * stride_xm + k[None, :], mask=xmask, other=0.0).to(tl.float32)
             u = had128_rows((x * s).to(tl.float16).to(tl.float32), EPILOGUE_ROWS) * SCALE
             ur = (r * u_mul + u_add).to(tl.int64)
             tl.store(u_ptr + ur[:, None] * size_k + k[None, :], u.to(tl.float16), mask=mask & keep)
@@ -110,12 +117,12 @@ def input_rows(x_ptr, stride_xm, suh_ptr, u_ptr, size_k, k_valid, k0, k_len, row
 @triton.jit(do_not_specialize=VARYING_ARGS)
 def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cnt_ptr, parts_ptr,
                       M, tiles_n, stride_ym, n_out, k_steps, steps_per_split, expert_words, stride_zs,
-                      x_ptr, suh_ptr, stride_xm, k_valid,
+                      x_ptr, suh_ptr, stride_xm, k_valid, x_div,
                       KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr,
                       CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0,
                       PAIRS: tl.constexpr = False, FLAT: tl.constexpr = True, GROUPED: tl.constexpr = False,
-                      IN_X: tl.constexpr = False):
+                      IN_X: tl.constexpr = False, GLU: tl.constexpr = False):
     """y = H(u·Ŵ)⊙svh (+ bias) for BM rows of u (MoE: one unit in row 0) × 128 columns, one K split.
     u is (M, k) fp16, contiguous; y keeps the first n_out columns, rows stride_ym apart (a part of a fused
     layer writes its slice of the layer's output in place).
@@ -134,8 +141,9 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
 
     FLAT: the trellis words loaded through flat indices (triton_decode.ring_tiles), lane-linear whatever the rate.
 
-    IN_X (dense rows, not MoE): the program computes u for its own rows and K range from x (k_valid features, rows
-    stride_xm apart; suh_ptr the part's suh, with PARTS the parts' stacked suh) into u_ptr before its K loop
+    IN_X (dense rows and MoE units, not GROUPED): the program computes u for its own rows and K range from x (k_valid
+    features, rows stride_xm apart; suh_ptr the part's suh, with PARTS the parts' stacked suh, with HAS_IDS the
+    experts' stacked suh; a unit's x row, x_div and GLU as the input kernel takes them) into u_ptr before its K loop
     (input_rows), so the projection is one launch; else u is the input transform's output."""
     BNT: tl.constexpr = 8
     pid_n = tl.program_id(0)
@@ -208,6 +216,10 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         mask_m = lane == 0
         row0 = pid_m
         rows = 1
+        if IN_X:
+            input_rows(x_ptr, stride_xm, suh_ptr + e * size_k, u_ptr, size_k, k_valid,
+                       pid_s * steps_per_split * KT * 16, steps_per_split * KT * 16, row0, 1, 1, 0, SCALE, x_div, GLU)
+            tl.debug_barrier()  # as above
     else:
         w_base = w_ptr
         svh_base = svh_ptr

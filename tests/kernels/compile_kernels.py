@@ -39,7 +39,7 @@ FUSED_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "svh_ptr": "*fp16", "bias_ptr":
               **{name: "i32" for name in ("M", "tiles_n", "stride_ym", "n_out", "k_steps", "steps_per_split",
                                           "expert_words", "stride_zs")},
               # in signature order: Triton 3.3 (Intel's) takes the signature by position
-              "x_ptr": "*bf16", "suh_ptr": "*fp16", "stride_xm": "i32", "k_valid": "i32"}
+              "x_ptr": "*bf16", "suh_ptr": "*fp16", "stride_xm": "i32", "k_valid": "i32", "x_div": "i32"}
 FMA_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32", "tiles_n": "i32",
             "tk_per_split": "i32", "stride_zs": "i32",
             "svh_ptr": "*fp16", "bias_ptr": "*fp16", "y_ptr": "*bf16", "cnt_ptr": "*i32", "stride_ym": "i32",
@@ -113,10 +113,11 @@ def main() -> None:
     # (ids, splits, grouped parts, word loads, MoE tiles, 64-row tiles) does not depend on the rate's decode, so every
     # pair need not compile: all pairs were 30 fused compiles, two thirds of each target's time.
     served = dict(HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE, BM=16, PARTS=0, PAIRS=False,
-                  FLAT=True, GROUPED=False, IN_X=False)
+                  FLAT=True, GROUPED=False, IN_X=False, GLU=False)
     variants = {  # rate: what differs from `served`
         ("mul1", 4): [dict(PARTS=3),  # grouped q/k/v parts
                       dict(IN_X=True), dict(IN_X=True, PARTS=3),  # decode rows in one launch: u from x in the program
+                      dict(IN_X=True, HAS_IDS=True, PAIRS=True), dict(IN_X=True, HAS_IDS=True, GLU=True),  # MoE units
                       dict(GROUPED=True, PAIRS=True),  # MoE over expert-sorted tiles: gate/up pairs
                       dict(BM=triton_gemv.TILE_ROWS, PARTS=3)],  # the tiled path (more than 16 rows), grouped
         ("3inst", 2): [dict(SPLIT=False)],

@@ -356,3 +356,23 @@ def test_decode_rows_are_one_launch_with_the_input_transform_in_the_matmul(monke
     expected = torch.cat([reference.linear(padded, t, s, v, 4, "mul1")[:, :out] for _, t, s, v, out in parts], -1)
     assert relative_error(one, expected + bias.double()) < 1e-3  # u is fp16 (~3e-4)
     assert counters_clear()
+
+
+def test_moe_units_are_one_launch_with_the_input_transform_in_the_matmul(monkeypatch, make_layer, relative_error,
+                                                                         kernel_device):
+    """An MoE projection over one (token, expert) unit per program computes each unit's u in the matmul program (its
+    token's x row, its expert's suh; split-K over 64-feature ranges): no input-transform launch, the two-launch result
+    within fp32 noise."""
+    from exl3local.kernels import bound
+
+    trellis, suh, svh = make_layer(256, 128, 4, "mul1", seed=17, experts=3)
+    proj = bind_moe(trellis, suh, svh, 4, "mul1")
+    proj.splits[4] = (4, proj.k_steps // 4)  # 4 units
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(17)).to(kernel_device)
+    ids = torch.tensor([[2, 0], [1, 2]], device=kernel_device)
+    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_UNITS", 0)
+    before = moe_units(proj, x, ids)
+    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_UNITS", 4)
+    monkeypatch.setattr(proj, "input", lambda *args: pytest.fail("the input transform was launched"))
+    assert relative_error(moe_units(proj, x, ids), before) < FP32_NOISE
+    assert counters_clear()
