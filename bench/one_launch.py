@@ -2,8 +2,8 @@
 exllamav3 1.6.5, in one process: whole model steps as bench/model_step.py builds and times them (eager, graph,
 launches, host µs per step), plus how far the one-launch outputs are from the two-launch ones per linear group.
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
-bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units in two launches, dense as served),
-one_all (one launch for every group), two_again (two, re-timed: the run's drift).
+bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
+in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
 """
