@@ -75,28 +75,40 @@ def _check_reference(bits, codebook, device, shape):
     return ok, err, us, why
 
 
-def _check_apply(kernel, rows: int, dtype: torch.dtype):
-    """Any kernel through its own `apply` (what a layer calls) at `rows` rows: the check every kernel gets."""
+def _check_apply(kernel, row_counts: tuple[int, ...], dtype: torch.dtype):
+    """Any kernel through its own `apply` (what a layer calls) at each of `row_counts`: the check every kernel gets.
+    The worst error is reported; the first row count that fails says so."""
 
     def check(bits, codebook, device, shape):
         from exl3local.kernels.dispatch import DeviceInfo, KernelSpec
 
-        trellis, suh, svh = random_layer(*shape, bits, codebook, device, seed=12 + rows)
-        x = random_normal(rows, shape[0], seed=rows).to(dtype).to(device)
         instance = kernel(KernelSpec(*shape, bits, codebook, dtype), DeviceInfo.of(device))
-        y, us = timed(lambda: instance.apply(x, trellis, suh, svh), device)
-        ok, err, why = compare(y, reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), bits,
-                                                    codebook), path=str(instance.path_for(rows)))
-        return ok, err, us, why
+        errors = []
+        for rows in row_counts:
+            trellis, suh, svh = random_layer(*shape, bits, codebook, device, seed=12 + rows)
+            x = random_normal(rows, shape[0], seed=rows).to(dtype).to(device)
+            y, us = timed(lambda: instance.apply(x, trellis, suh, svh), device)
+            ok, err, why = compare(y, reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), bits,
+                                                        codebook), path=str(instance.path_for(rows)))
+            if not ok:
+                return ok, err, us, f"at {rows} rows: {why}"
+            errors.append(err)
+        return True, max(errors), us, ""
 
     return check
+
+
+# Past the one-row crossover, the CPU library's AMX GEMM has two exact forms: the u split up to 32 rows
+# (kernels/cpu/ops.AMX_U_MAX_ROWS), the W' planes above. Its check runs at the first row count past the crossover
+# and at MANY_ROWS, so the form that serves every longer prefill chunk is checked too.
+MANY_ROWS = 64
 
 
 def checks_for(kernel: type, device: torch.device, bits: float = 4, codebook: str = "mul1",
                dtype: torch.dtype = torch.float16) -> dict[str, Callable]:
     """name -> check(bits, codebook, device, shape) for a kernel class (dispatch.Exl3Kernel), in run order:
     the reference checks itself on the device; Triton gets its per-launch checks; any other kernel (the CPU
-    library) is checked through `apply` on both sides of its row crossover."""
+    library) is checked through `apply` on both sides of its row crossover (past it, at MANY_ROWS too)."""
     if kernel.backend == "reference":
         return {"reference": _check_reference}
     if kernel.backend == "triton":
@@ -108,11 +120,11 @@ def checks_for(kernel: type, device: torch.device, bits: float = 4, codebook: st
 
     instance = kernel(KernelSpec(*SIZES[kind(device)][0], bits, codebook, dtype), DeviceInfo.of(device))
     few = instance.path_for(1)
-    checks = {str(few): _check_apply(kernel, 1, dtype)}
-    for rows in (4, 8, 16, 32, 64):
+    checks = {str(few): _check_apply(kernel, (1,), dtype)}
+    for rows in (4, 8, 16, 32, MANY_ROWS):
         many = instance.path_for(rows)
         if many != few:
-            checks[str(many)] = _check_apply(kernel, rows, dtype)
+            checks[str(many)] = _check_apply(kernel, tuple(dict.fromkeys((rows, MANY_ROWS))), dtype)
             break
     return checks
 

@@ -270,3 +270,27 @@ def test_the_cpu_librarys_checks_are_named_for_the_path_that_serves_their_activa
     fp16 = selftest_checks.checks_for(CpuLinearKernel, torch.device("cpu"), dtype=torch.float16)
     assert ("cpu_gemm_amx" in bf16) == amx and "cpu_gemm_amx" not in fp16, (list(bf16), list(fp16))
     assert "cpu_gemm" in fp16 and ("cpu_gemm" in bf16) != amx, (list(bf16), list(fp16))
+
+
+def test_the_cpu_gemm_check_refuses_either_amx_form_that_is_wrong(monkeypatch):
+    """bf16 rows past the GEMV run the u split up to AMX_U_MAX_ROWS and the W' planes above (every longer prefill
+    chunk): a wrong W' form fails the load-time check although the check's first row count takes the u split."""
+    from exl3local.kernels.cpu import ops
+    from exl3local.kernels.dispatch import CpuLinearKernel
+
+    if CpuLinearKernel.refuse(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo.of(torch.device("cpu"))):
+        pytest.skip("the CPU library is not built here")
+    if not ops.amx_active(ops.library()):
+        pytest.skip("no AMX here: one GEMM form serves")
+    right = ops.CpuLinear._gemm_amx
+
+    def wrong_past_the_u_split(self, x, *args, **kwargs):
+        y = right(self, x, *args, **kwargs)
+        return y * 1.01 if x.shape[0] > ops.AMX_U_MAX_ROWS else y
+
+    check = selftest_checks.checks_for(CpuLinearKernel, torch.device("cpu"), dtype=torch.bfloat16)["cpu_gemm_amx"]
+    ok, _, _, why = check(4, "mul1", torch.device("cpu"), (128, 128))
+    assert ok, why
+    monkeypatch.setattr(ops.CpuLinear, "_gemm_amx", wrong_past_the_u_split)
+    ok, _, _, why = check(4, "mul1", torch.device("cpu"), (128, 128))
+    assert not ok and why.startswith(f"at {selftest_checks.MANY_ROWS} rows"), why
