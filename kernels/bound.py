@@ -25,6 +25,7 @@ from exl3local import env
 from exl3local.kernels.hadamard import HADAMARD_BLOCK, HADAMARD_SCALE
 from exl3local.kernels.bound_reconstruct import ReconstructLaunch
 from exl3local.kernels.launcher import DirectLaunch, Workspace, launch_mode
+from exl3local.kernels.selftest import one_launch_refusal
 from exl3local.kernels.triton_decode import rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel
 from exl3local.kernels.triton_gemv import (
@@ -82,6 +83,8 @@ class FusedLaunch:
         _, block_kt, num_warps = ring_dot_config(bits)
         self.k_steps = self.size_k // 16 // block_kt
         self.experts = experts
+        # False where the self-test's one-launch check failed on this device: decode rows take two launches.
+        self.one_launch_on = one_launch_refusal(self.device) is None
         plain, self.stream = launch_mode(exl3_fused_kernel, self.device)
         self.input = DirectLaunch(_input_kernel, INPUT_VARYING, plain)
         self.fused = DirectLaunch(exl3_fused_kernel, FUSED_VARYING, plain, num_warps=num_warps, num_stages=1)
@@ -218,7 +221,8 @@ class FusedLaunch:
         key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, x_div,
                self.size_k if k_valid is None else k_valid, self.size_n if n_out is None else n_out,
                None if ids is None else (ids.dtype, ids.data_ptr() % 16 == 0), pairs, glu, tiles[1] if tiles else 0,
-               (rows <= ONE_LAUNCH_MAX_UNITS and not tiles if self.experts else rows <= ONE_LAUNCH_MAX_ROWS)
+               self.one_launch_on
+               and (rows <= ONE_LAUNCH_MAX_UNITS and not tiles if self.experts else rows <= ONE_LAUNCH_MAX_ROWS)
                and self.n_blocks * self.size_k <= ONE_LAUNCH_MAX_WORK)
         input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
         stream = self.stream()

@@ -98,7 +98,7 @@ class GroupLaunch(FusedLaunch):
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, 1,
                self.size_k if k_valid is None else k_valid, 0, None, False, False,
-               rows <= min(bound.ONE_LAUNCH_MAX_ROWS, MAX_ROWS)
+               self.one_launch_on and rows <= min(bound.ONE_LAUNCH_MAX_ROWS, MAX_ROWS)
                and self.n_blocks * self.size_k <= bound.ONE_LAUNCH_MAX_WORK)
         input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
         stream = self.stream()

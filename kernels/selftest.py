@@ -31,7 +31,7 @@ from exl3local.kernels.selftest_checks import CPU_TRITON_RATES, Result, rates, r
 from exl3local.kernels.selftest_compare import SIZES, TOLERANCE, kind
 
 __all__ = ["TOLERANCE", "Result", "rates", "run_kernel", "refusal", "refused_paths", "results", "set_publisher",
-           "direct_launch_refusal", "report"]
+           "direct_launch_refusal", "one_launch_refusal", "report"]
 
 # ---- the load-time verdicts the dispatch asks for --------------------------------------------------------
 
@@ -65,9 +65,16 @@ SERVED_PATHS = {"TritonLinearKernel": ("gemv", "reconstruct_gemm", "moe_decode",
                 "TritonReconstructKernel": ("reconstruct_gemm",)}
 
 
+# Checks of one launch path of a kernel whose other path serves the same layers: a failure switches that path off,
+# not the kernel (the trace's `latched_off`).
+ONE_LAUNCH_CHECKS = ("gemv_one_launch", "moe_one_launch")
+LATCHES = ("bound_direct", *ONE_LAUNCH_CHECKS)
+
+
 def refused_paths() -> dict[str, str]:
     """{kernel path: why the self-test took it out of service, at which rates} in this process: every path of a
-    refused kernel, and `bound_direct` when only the direct launch failed (the trace's `latched_off` flag)."""
+    refused kernel, and `bound_direct` or a one-launch check when only that launch failed (the trace's `latched_off`
+    flag)."""
     out: dict[str, list[str]] = {}
     with _LOCK:
         for (kernel, bits, codebook, _, act), verdict in _VERDICTS.items():
@@ -81,7 +88,10 @@ def refused_paths() -> dict[str, str]:
             if r.path == "bound_direct" and not r.ok:
                 out.setdefault("bound_direct", []).append(
                     f"at {r.bits:g}-bit {r.codebook}: {r.detail}; bound launches take Triton's own launch")
-    return {path: "; ".join(reasons) + " (those layers use the next kernel)" * (path != "bound_direct")
+            if r.path in ONE_LAUNCH_CHECKS and not r.ok:
+                out.setdefault(r.path, []).append(
+                    f"at {r.bits:g}-bit {r.codebook}: {r.detail}; decode rows take two launches (input, matmul)")
+    return {path: "; ".join(reasons) + " (those layers use the next kernel)" * (path not in LATCHES)
             for path, reasons in out.items()}
 
 
@@ -107,9 +117,10 @@ def refusal(kernel: type, bits: float, codebook: str, device: torch.device,
               "(kernels compile on first use)", file=sys.stderr, flush=True)
         start = time.perf_counter()
         got = run_kernel(kernel, bits, codebook, device, dtype=dtype)
-        # a failed bound_direct only switches the direct launch off (direct_launch_refusal): Triton's own launch
-        # of the same kernels passed, so the kernel stays
-        failed = [r for r in got if not r.ok and r.path != "bound_direct"]
+        # a failed bound_direct only switches the direct launch off (direct_launch_refusal), a failed one-launch
+        # check only the one-launch path (one_launch_refusal): the same kernels' other launch passed, so the kernel
+        # stays
+        failed = [r for r in got if not r.ok and r.path not in ("bound_direct", *ONE_LAUNCH_CHECKS)]
         verdict = None if not failed else f"self-test {failed[0].path} failed: {failed[0].detail}"
         print(f"exl3local: self-test {kernel.__name__} {bits:g}-bit {codebook}: "
               f"{'ok' if verdict is None else verdict + '; using the next kernel'} "
@@ -142,6 +153,16 @@ def direct_launch_refusal(device: torch.device) -> str | None:
     with _LOCK:
         failed = [r for r in _RESULTS if r.path == "bound_direct" and not r.ok]
     return f"self-test bound_direct failed: {failed[0].detail}" if failed else None
+
+
+def one_launch_refusal(device: torch.device) -> str | None:
+    """Why decode rows on `device` must take two launches (the input transform, then the matmul) instead of the
+    matmul programs transforming x themselves (kernels/bound.py): a one-launch check that failed in this process.
+    That path orders each program's stores of u before its own loads by a barrier only (Intel's backend lowers it
+    to a local-memory fence), so on a new backend it is checked over NaN like the split-K handshake."""
+    with _LOCK:
+        failed = [r for r in _RESULTS if r.path in ONE_LAUNCH_CHECKS and not r.ok]
+    return f"self-test {failed[0].path} failed: {failed[0].detail}" if failed else None
 
 
 def release_of(version: str) -> tuple[int, int] | None:

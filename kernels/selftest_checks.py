@@ -3,14 +3,17 @@ device, runs one kernel path and compares it with the bit-exact reference decode
 
 Checks of the Triton kernel (any exception, a compile error included, is a failure with its message):
     decode            Ŵ from the ring decode equals reference.decode_trellis bit for bit
-    gemv              the fused launch (input transform, decode matmul, output transform) at a few rows
+    gemv              the two launches (input transform; decode matmul with the output transform) at a few rows
     gemv_split_k      the same with split-K forced over a NaN-filled workspace: a partial read before its
                       store → barrier → acq_rel handshake completed shows up as NaN (or as a wrong sum)
     gemv_one_row      one row (the FMA ring kernel at FMA_ONE_ROW_BITS), split-K over NaN as well
+    gemv_one_launch   a few rows with the matmul programs transforming x themselves (kernels/bound.py's one launch
+                      per projection), unsplit and split-K over NaN; a failure switches only that path off
     gemv_tiled        only with EXL3LOCAL_TILED_MAX_ROWS on: 17 rows through the 64-row tiled launch, split-K
                       over NaN as well (a failure refuses the whole Triton kernel, as any check does)
     reconstruct_gemm  more than GEMV_MAX_ROWS rows: the vendor matmul with W_r, and with Ŵ then H on y
-    moe_decode        grouped (token, expert) units through one launch per projection, over NaN
+    moe_decode        (token, expert) units, input transform and matmul, split-K over NaN
+    moe_one_launch    the same units in one launch (each program transforms its unit's x); like gemv_one_launch
     bound_direct      the bound launcher's direct call (Triton's compiled-kernel ABI) against Triton's own
                       launch, bit for bit; compiled devices only (the interpreter has no direct call)
 Any other kernel (the CPU library) is checked through its `apply` on both sides of its row crossover; the

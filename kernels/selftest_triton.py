@@ -60,12 +60,24 @@ def _into(launch, x: torch.Tensor, y: torch.Tensor, rows: int) -> torch.Tensor:
     return y
 
 
-def _check_gemv(bits, codebook, device, shape, rows: int, split: bool, dtype: torch.dtype = torch.float16):
+def _one_launch_served(launch) -> bool:
+    """Whether a call of `launch` ran as one launch (the matmul programs transforming x: a plan without an input
+    grid)."""
+    return any(plan[0] is None for plan in launch.plans.values())
+
+
+def _check_gemv(bits, codebook, device, shape, rows: int, split: bool, dtype: torch.dtype = torch.float16,
+                one_launch: bool = False):
+    """`rows` rows through the bound launch: two launches (input transform, then the matmul), or with `one_launch`
+    the matmul programs transforming x themselves; `split`: split-K forced over a NaN-filled workspace."""
     trellis, suh, svh = random_layer(*shape, bits, codebook, device, seed=2)
     x = random_normal(rows, shape[0], seed=3).to(dtype).to(device)
     launch = _split_launch(trellis, suh, svh, bits, codebook)
+    launch.one_launch_on = one_launch
     if not split:
         launch.splits[1] = (1, launch.k_steps)
+        if one_launch:  # its u round trip through the workspace: a load before the store reads NaN
+            _nan_workspace(launch, rows)
     else:
         if rows == 1 and launch.fma is not None:
             if launch.fma_split()[1] < 2:
@@ -75,9 +87,20 @@ def _check_gemv(bits, codebook, device, shape, rows: int, split: bool, dtype: to
         _nan_workspace(launch, rows)
     y = torch.empty(rows, shape[1], dtype=x.dtype, device=device)
     out, us = timed(lambda: _into(launch, x, y, rows), device)
+    if one_launch and not _one_launch_served(launch):
+        return None  # this shape or row count is past the one-launch limits
     expected = reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), bits, codebook)
     ok, err, why = compare(out, expected, launch if split else None)
     return ok, err, us, why
+
+
+def _check_one_launch(bits, codebook, device, shape, dtype: torch.dtype = torch.float16):
+    """The one-launch path unsplit (its epilogue) and split-K over NaN (its u stores and the handshake)."""
+    results = [_check_gemv(bits, codebook, device, shape, GEMV_ROWS, split, dtype, one_launch=True)
+               for split in (False, True)]
+    results = [got for got in results if got is not None]
+    failed = [got for got in results if not got[0]]
+    return (failed or results or [None])[0]
 
 
 def _check_tiled(bits, codebook, device, shape, dtype: torch.dtype = torch.float16):
@@ -120,7 +143,9 @@ def _check_reconstruct(bits, codebook, device, shape, dtype: torch.dtype = torch
     return True, max(errors), us, ""
 
 
-def _check_moe(bits, codebook, device, shape):
+def _check_moe(bits, codebook, device, shape, one_launch: bool = False):
+    """MoE units (token, expert) through one projection's experts, split-K over NaN: two launches, or with
+    `one_launch` the matmul programs transforming each unit's x themselves."""
     from exl3local.kernels.triton_moe import moe_units
 
     tokens = SIZES[kind(device)][2]
@@ -128,9 +153,12 @@ def _check_moe(bits, codebook, device, shape):
     x = random_normal(tokens, shape[0], seed=7).to(device)
     ids = torch.tensor(MOE_IDS[:tokens], dtype=torch.int32, device=device)
     launch = _split_launch(trellis, suh, svh, bits, codebook, experts=True)
+    launch.one_launch_on = one_launch
     _force_splits(launch, ids.numel())
     _nan_workspace(launch, ids.numel())
     y, us = timed(lambda: moe_units(launch, x, ids), device)
+    if one_launch and not _one_launch_served(launch):
+        return None  # past the one-launch limits
     cpu = (trellis.cpu(), suh.cpu(), svh.cpu())
     expected = torch.stack([
         torch.stack([reference.linear(x[t : t + 1].cpu(), cpu[0][e], cpu[1][e], cpu[2][e], bits, codebook)[0]
@@ -151,12 +179,12 @@ def _check_direct(bits, codebook, device, shape, dtype: torch.dtype = torch.floa
     runtime = getattr(getattr(sys.modules.get("triton"), "knobs", None), "runtime", None)
     if runtime is None:
         return None  # a Triton without knobs has no direct path at all
-    for direct in (launch.input, launch.fused, launch.fma):
+    for direct in (launch.input, launch.fused, launch.one, launch.fma):
         if direct is not None:
             direct.hooks = runtime
     first = torch.empty(GEMV_ROWS, shape[1], dtype=x.dtype, device=device)
     launch.launch(x, first, GEMV_ROWS)
-    if not launch.fused.compiled and not launch.input.compiled:
+    if not (launch.fused.compiled or launch.input.compiled or launch.one.compiled):
         return None  # a launch hook (a profiler) is set: every call takes Triton's path, nothing to compare
     second = torch.empty_like(first)
     _, us = timed(lambda: launch.launch(x, second, GEMV_ROWS), device)
@@ -173,8 +201,10 @@ def triton_checks(device: torch.device, dtype: torch.dtype = torch.float16) -> d
         "gemv": lambda b, c, d, s: _check_gemv(b, c, d, s, GEMV_ROWS, split=False, dtype=dtype),
         "gemv_split_k": lambda b, c, d, s: _check_gemv(b, c, d, s, GEMV_ROWS, split=True, dtype=dtype),
         "gemv_one_row": lambda b, c, d, s: _check_gemv(b, c, d, s, 1, split=True, dtype=dtype),
+        "gemv_one_launch": lambda b, c, d, s: _check_one_launch(b, c, d, s, dtype),
         "reconstruct_gemm": lambda b, c, d, s: _check_reconstruct(b, c, d, s, dtype),
         "moe_decode": _check_moe,
+        "moe_one_launch": lambda b, c, d, s: _check_moe(b, c, d, s, one_launch=True),
     }
     from exl3local.kernels.bound import MAX_ROWS, tiled_max_rows
 

@@ -87,8 +87,36 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and n
 def test_triton_checks_pass_at_one_rate():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     got = selftest.run_kernel(TritonLinearKernel, 2.5, "mul1", device)
-    assert {r.path for r in got} >= {"decode", "gemv", "gemv_split_k", "gemv_one_row", "reconstruct_gemm", "moe_decode"}
+    assert {r.path for r in got} >= {"decode", "gemv", "gemv_split_k", "gemv_one_row", "gemv_one_launch",
+                                     "reconstruct_gemm", "moe_decode", "moe_one_launch"}
     assert all(r.ok for r in got), [r for r in got if not r.ok]
+
+
+@interpreted
+def test_a_failing_one_launch_path_switches_only_itself_off(fresh, monkeypatch):
+    """Decode rows of small layers run as one launch (the matmul programs transform x), the rest as two: each path is
+    checked on its own, and a one-launch path that reads its u too early (NaN here) takes only itself out of service:
+    the kernel stays, and layers bound afterwards take two launches."""
+    from exl3local.kernels import bound
+
+    real = bound.FusedLaunch.launch
+
+    def early_read_in_one_launch(self, x, y, rows, *args, **kwargs):
+        real(self, x, y, rows, *args, **kwargs)
+        if self.one_launch_on and any(plan[0] is None for plan in self.plans.values()):
+            y.view(-1)[:1] = float("nan")
+
+    monkeypatch.setattr(bound.FusedLaunch, "launch", early_read_in_one_launch)
+    monkeypatch.setenv("EXL3LOCAL_KERNEL_SELFTEST", "1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert selftest.one_launch_refusal(device) is None
+    assert selftest.refusal(TritonLinearKernel, 2.5, "mul1", device) is None  # the two-launch checks passed
+    failed = {r.path for r in selftest.results() if not r.ok}
+    assert failed == {"gemv_one_launch", "moe_one_launch"}, failed
+    assert "gemv_one_launch failed" in selftest.one_launch_refusal(device)
+    assert "two launches" in selftest.refused_paths()["gemv_one_launch"]
+    trellis, suh, svh = selftest_compare.random_layer(128, 128, 2.5, "mul1", device, seed=0)
+    assert not bound.FusedLaunch(trellis, suh, svh, 2.5, "mul1").one_launch_on
 
 
 @interpreted
