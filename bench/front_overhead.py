@@ -115,11 +115,12 @@ def summary(cells: dict[str, list[dict]]) -> dict:
 
 
 async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int, levels: list[int],
-                  daemon: psutil.Process) -> dict:
-    # idle connections dropped by this client before either server drops them (vLLM closes after 5 s idle, the
+                  daemon: psutil.Process, keepalive: float) -> dict:
+    # idle connections dropped by this client before either server drops them (the engine closes after 60 s idle, the
     # endpoint after 30 s): a POST sent on a connection the server is closing at that moment fails with "Server
-    # disconnected", and httpx's own expiry is 5 s too (a cell of the other path in between can take about that long)
-    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
+    # disconnected". 2 s (the default): every burst opens new connections on both paths; a fresh burst of Unix
+    # connections reaches vLLM's loop together, which favours the direct path (docs/PERF.md, endpoint, session 11)
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=keepalive)
     front = httpx.AsyncClient(base_url=endpoint, timeout=600, limits=limits, trust_env=False)
     direct = httpx.AsyncClient(base_url="http://engine", transport=httpx.AsyncHTTPTransport(uds=uds, limits=limits),
                                timeout=600, trust_env=False)
@@ -174,6 +175,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--keepalive", type=float, default=2.0, help="seconds the bench's clients keep an idle "
+                    "connection (25: kept across rounds on both paths; below the endpoint's 30 s)")
     ap.add_argument("--standin", type=Path, help="a Python file that stands in for vLLM (see above)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="exl3b-", dir="/tmp") as tmp:
@@ -196,13 +199,14 @@ def main() -> None:
             endpoint = status["endpoint"].removesuffix("/v1")
             load0 = os.getloadavg()[0]
             res = asyncio.run(measure(endpoint, uds, status["served_model_name"], args.rounds, args.tokens,
-                                      args.concurrency, psutil.Process(status["daemon_pid"])))
+                                      args.concurrency, psutil.Process(status["daemon_pid"]), args.keepalive))
             load1 = os.getloadavg()[0]
         finally:
             cli(env, "down")
     engine = f"stand-in {args.standin.name}" if args.standin else "vLLM"
     report(res, f"model {status['model']} on {engine}, {args.tokens} tokens per request, {args.rounds} rounds per "
-                f"path; load average {load0:.1f} at the start, {load1:.1f} at the end")
+                f"path, clients keep idle connections {args.keepalive:g} s; load average {load0:.1f} at the start, "
+                f"{load1:.1f} at the end")
 
 
 if __name__ == "__main__":
