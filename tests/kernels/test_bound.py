@@ -313,10 +313,12 @@ def test_bound_layer_reads_its_device_tables_where_a_reload_rewrites_them(monkey
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(22)).to(kernel_device).half()
     before = layer(x)
     device = x.device  # as the kernels key their tables ("cuda:0": a bare "cuda" is another cache entry)
-    for table in (hadamard.hadamard_128(device), triton_hadamard.hadamard_operands(device)):
-        table.fill_(7)  # what a discarded and re-mapped page may hold
-    assert not torch.equal(layer(x), before)
-    reload.refresh_device_tables(device, set())
+    try:
+        for table in (hadamard.hadamard_128(device), triton_hadamard.hadamard_operands(device)):
+            table.fill_(7)  # what a discarded and re-mapped page may hold
+        assert not torch.equal(layer(x), before)
+    finally:  # the tables are this process's: a failure here must not break every later test's kernels
+        reload.refresh_device_tables(device, set())
     assert torch.equal(layer(x), before)
 
 
