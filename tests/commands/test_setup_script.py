@@ -50,7 +50,7 @@ def calls(checkout: Path) -> list[str]:
     return [c for c in log.read_text().splitlines() if c.startswith("-m ")] if log.exists() else []
 
 
-CPU_CALLS = ["-m pip install -q --disable-pip-version-check --no-compile -e .[cpu,test,tray]",
+CPU_CALLS = ["-m pip install -q --disable-pip-version-check -e .[cpu,test,tray]",
              "-m pip uninstall -q -y torchvision torchaudio torchcodec"]
 
 
