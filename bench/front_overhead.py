@@ -34,7 +34,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
-from isolated import cli, isolated_env  # noqa: E402
+from isolated import cli, engine_socket, isolated_env  # noqa: E402
 
 TTFT_BUDGET_MS = 5.0
 DECODE_BUDGET = 0.98
@@ -194,8 +194,7 @@ def main() -> None:
             if up.returncode != 0:
                 sys.exit(f"up failed:\n{up.stdout}{up.stderr}")
             status = json.loads(cli(env, "status", "--json").stdout)
-            record = json.loads((Path(tmp) / "state" / "exl3local" / "engine.json").read_text())
-            uds = str(Path(record["tmpdir"]) / "engine.sock")
+            uds = engine_socket(Path(tmp))
             endpoint = status["endpoint"].removesuffix("/v1")
             load0 = os.getloadavg()[0]
             res = asyncio.run(measure(endpoint, uds, status["served_model_name"], args.rounds, args.tokens,

@@ -31,7 +31,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
-from isolated import cli, isolated_env  # noqa: E402
+from isolated import cli, engine_socket, isolated_env  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # per request: (label, stamp it starts from, stamp it ends at)
@@ -271,8 +271,7 @@ def main() -> None:
             if up.returncode != 0:
                 sys.exit(f"up failed:\n{up.stdout}{up.stderr}")
             status = json.loads(cli(env, "status", "--json").stdout)
-            record = json.loads((Path(tmp) / "state" / "exl3local" / "engine.json").read_text())
-            uds = str(Path(record["tmpdir"]) / "engine.sock")
+            uds = engine_socket(Path(tmp))
             load0 = os.getloadavg()[0]
             pids = procs(status["daemon_pid"], status["engine_pid"])
             trace = asyncio.run(measure(status["endpoint"].removesuffix("/v1"), uds, status["served_model_name"],

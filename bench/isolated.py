@@ -3,6 +3,7 @@ user's running daemon. The daemon's API is its Unix socket in the private runtim
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -32,3 +33,11 @@ def cli(env: dict[str, str], *args: str, timeout: float | None = 900) -> subproc
     """`exl3local ARGS` in that environment (cwd /: the repo's ./packaging must not shadow PyPI's)."""
     return subprocess.run([sys.executable, "-P", "-m", "exl3local", *args], env=env, capture_output=True, text=True,
                           check=False, cwd="/", timeout=timeout)
+
+
+def engine_socket(root: Path) -> str:
+    """The Unix socket the engine of the private exl3local under `root` serves on (its engine.json's private dir)."""
+    from exl3local.daemon.plan import ENGINE_SOCKET
+
+    record = json.loads((root / "state" / "exl3local" / "engine.json").read_text())
+    return str(Path(record["tmpdir"]) / ENGINE_SOCKET)
