@@ -218,6 +218,20 @@ def test_outgrown_workspace_stays_allocated():
     assert any(ws is first for ws in Workspace._retired)  # a graph captured against it may still use it
 
 
+def grouped_layer(k, widths, outs, bits, rows, in_features, seed, device):
+    """A fused layer's parts as the plugin lays them out: the trellises of `widths` columns in one flat arena (their
+    word counts `sizes`), suh per part, svh and bias over all parts, and `rows` rows of x with `in_features`."""
+    g = torch.Generator().manual_seed(seed)
+    words = reference.words_per_tile(bits)
+    sizes = [(k // 16) * (n // 16) * words for n in widths]
+    arena = torch.randint(-32768, 32768, (sum(sizes),), generator=g, dtype=torch.int16).to(device)
+    suh = (torch.randn(len(widths), k, generator=g) * 0.05).half().to(device)
+    svh = (torch.randn(sum(widths), generator=g) * 0.05).half().to(device)
+    bias = torch.randn(sum(outs), generator=g).to(device)
+    x = torch.randn(rows, in_features, generator=g).to(device)
+    return words, sizes, arena, suh, svh, bias, x
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3)])
 def test_grouped_parts_run_as_one_grid_and_match_the_per_part_launches(relative_error, kernel_device, codebook, bits,
@@ -227,14 +241,7 @@ def test_grouped_parts_run_as_one_grid_and_match_the_per_part_launches(relative_
     from exl3local.kernels.bound_group import GroupLaunch
 
     in_features, k, widths, outs = 100, 128, (256, 128, 128), (200, 128, 100)
-    g = torch.Generator().manual_seed(21)
-    words = reference.words_per_tile(bits)
-    sizes = [(k // 16) * (n // 16) * words for n in widths]
-    arena = torch.randint(-32768, 32768, (sum(sizes),), generator=g, dtype=torch.int16).to(kernel_device)
-    suh = (torch.randn(len(widths), k, generator=g) * 0.05).half().to(kernel_device)
-    svh = (torch.randn(sum(widths), generator=g) * 0.05).half().to(kernel_device)
-    bias = torch.randn(sum(outs), generator=g).to(kernel_device)
-    x = torch.randn(5, in_features, generator=g).to(kernel_device)
+    words, sizes, arena, suh, svh, bias, x = grouped_layer(k, widths, outs, bits, 5, in_features, 21, kernel_device)
     parts, expected, t0, n0 = [], [], 0, 0
     for i, (n, size, out) in enumerate(zip(widths, sizes, outs)):
         trellis = arena[t0:t0 + size].view(k // 16, n // 16, words)
@@ -333,14 +340,7 @@ def test_decode_rows_are_one_launch_with_the_input_transform_in_the_matmul(monke
     from exl3local.kernels.bound_group import GroupLaunch
 
     in_features, k, widths, outs = 200, 256, (128, 128) if grouped else (128,), (128, 100) if grouped else (100,)
-    g = torch.Generator().manual_seed(31)
-    words = reference.words_per_tile(4)
-    sizes = [(k // 16) * (n // 16) * words for n in widths]
-    arena = torch.randint(-32768, 32768, (sum(sizes),), generator=g, dtype=torch.int16).to(kernel_device)
-    suh = (torch.randn(len(widths), k, generator=g) * 0.05).half().to(kernel_device)
-    svh = (torch.randn(sum(widths), generator=g) * 0.05).half().to(kernel_device)
-    bias = torch.randn(sum(outs), generator=g).to(kernel_device)
-    x = torch.randn(3, in_features, generator=g).to(kernel_device)
+    words, sizes, arena, suh, svh, bias, x = grouped_layer(k, widths, outs, 4, 3, in_features, 31, kernel_device)
     kernel = prepare(KernelSpec(k, 128, 4, "mul1", torch.float32), kernel_device, "triton")
     parts = [(kernel, arena[sum(sizes[:i]):sum(sizes[:i + 1])].view(k // 16, n // 16, words), suh[i],
               svh[i * 128:(i + 1) * 128], out) for i, (n, out) in enumerate(zip(widths, outs))]
