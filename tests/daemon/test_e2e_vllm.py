@@ -157,32 +157,41 @@ def test_the_daemon_owns_the_endpoint_and_vllm_serves_on_its_private_socket(serv
 
 
 def test_a_stream_passes_through_chunk_by_chunk_under_a_status_poll_storm(served):
-    stop, storming = threading.Event(), threading.Event()
+    stop = threading.Event()
+    answered = threading.Condition()
     polls: list[int] = []  # /api/status, which the daemon answers itself
     scrapes: list[int] = []  # /api/metrics, which waits for vLLM's /metrics
 
     # Status and metrics on their own threads: vLLM's API server may answer /metrics only after the stream's
     # last token (seen here: 0.4-0.5 s, the whole stream), which would hold back a status poll queued behind it.
-    def storm(path: str, answered: list[int]) -> None:
+    def storm(path: str, codes: list[int]) -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{served.daemon_port}", timeout=30) as client:
             while not stop.is_set():
-                answered.append(client.get(path).status_code)
-                if len(polls) >= 4:
-                    storming.set()
+                code = client.get(path).status_code
+                with answered:
+                    codes.append(code)
+                    answered.notify_all()
+
+    def polls_reach(count: int) -> bool:
+        with answered:
+            return answered.wait_for(lambda: len(polls) >= count, timeout=60)
 
     pollers = [threading.Thread(target=storm, args=("/api/status", polls)) for _ in range(2)]
     pollers += [threading.Thread(target=storm, args=("/api/metrics", scrapes)) for _ in range(2)]
     for t in pollers:
         t.start()
     try:
-        assert storming.wait(60)
+        assert polls_reach(4)
         with _stream(served, 48) as resp:
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
-            events, polled = [], []  # polls answered by each event: the storm goes on while tokens flow
+            events = []
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     events.append(line)
-                    polled.append(len(polls))
+                    # While the stream is open, status polls go on being answered. Waited for, not counted
+                    # between two reads: on a loaded box the reader may find the whole stream buffered at once.
+                    if len(events) == 1:
+                        assert polls_reach(len(polls) + 2), "status polls stopped while a stream was open"
     finally:
         stop.set()
         for t in pollers:
@@ -190,8 +199,7 @@ def test_a_stream_passes_through_chunk_by_chunk_under_a_status_poll_storm(served
     # token events as vLLM sends them (one or a few tokens each: it batches when the reader lags), then [DONE]
     assert events[-1] == "data: [DONE]" and len(events) > 12
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
-    # a count of polls, not a rate: how many fit in a 48-token stream depends on the machine's load
-    assert text and polled[-1] > polled[0] and set(polls) == set(scrapes) == {200}, (polled, polls, scrapes)
+    assert text and set(polls) == set(scrapes) == {200}, (polls, scrapes)
 
 
 def test_a_client_that_goes_away_mid_stream_aborts_its_engine_request(served):
