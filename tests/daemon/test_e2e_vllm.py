@@ -140,7 +140,7 @@ def _running(box) -> float:
 
 def _stream(box, max_tokens: int):
     body = {"model": TINY, "prompt": "import os\n", "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     return httpx.stream("POST", f"http://127.0.0.1:{box.engine_port}/v1/completions", json=body, timeout=120)
 
 
@@ -196,9 +196,12 @@ def test_a_stream_passes_through_chunk_by_chunk_under_a_status_poll_storm(served
         stop.set()
         for t in pollers:
             t.join()
-    # token events as vLLM sends them (one or a few tokens each: it batches when the reader lags), then [DONE]
-    assert events[-1] == "data: [DONE]" and len(events) > 12
-    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    # token events as vLLM sends them (one or a few tokens each: it merges them when its loop lags), the usage
+    # chunk, then [DONE]: every token arrived, whatever the merging
+    assert events[-1] == "data: [DONE]" and len(events) > 3
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert chunks[-1]["usage"]["completion_tokens"] == 48
     assert text and set(polls) == set(scrapes) == {200}, (polls, scrapes)
 
 
