@@ -16,7 +16,8 @@ split sums in split order, fp32 butterfly; only the butterfly's addition order d
 
 Split-K handshake (CUTLASS-style semaphore): partial stores, CTA barrier, one gpu-scope acq_rel atomic on
 the block's counter; the last program reads the partials from L2 (.cg) and resets the counter to 0 for the
-next launch. Counters and partials live in a per-stream workspace (kernels/bound.py) that starts zeroed.
+next launch. Every barrier that orders global memory between a program's threads (u, partials) is
+triton_sync's, which also orders global memory under Intel's backend. Counters and partials live in a per-stream workspace (kernels/bound.py) that starts zeroed.
 
 Measured and dropped (docs/PERF.md v4a): the input transform inside this kernel (a 16×128×16KT dot with a
 gathered slice of the ±1 matrix per K step, recomputed by every column block) made it 1-wide launch but
@@ -34,6 +35,7 @@ import triton.language as tl
 
 from exl3local.kernels.triton_decode import ring_cols, ring_dot
 from exl3local.kernels.triton_hadamard import unit_expert
+from exl3local.kernels.triton_sync import cta_barrier, global_fence
 
 FUSED_BLOCK_N_TILES = 8  # 128 output columns per program: one Hadamard block, so the epilogue is local
 # Ints that change from call to call: never specialised on (a compiled kernel serves every row count).
@@ -165,14 +167,14 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
             input_rows(x_ptr, stride_xm, suh_ptr + tl.load(row + 5) * size_k, u_ptr, size_k, k_valid,
                        pid_s * steps_per_split * KT * 16, steps_per_split * KT * 16, pid_m * BM,
                        tl.minimum(M - pid_m * BM, BM), PARTS, tl.load(row + 5), SCALE)
-            tl.debug_barrier()  # this program's u stores are visible to all its threads before the K loop reads them
+            cta_barrier(cnt_ptr, M)  # this program's u stores are visible to all its threads before the K loop reads them
         acc = ring_dot(u_ptr, w_ptr + tl.multiple_of(tl.load(row), 16), rm * PARTS + tl.load(row + 5), mask_m, size_k, part_n,
                        pid_s * steps_per_split * KT, steps_per_split, local_n * BNT, KA, HALF, W32, G, CODEBOOK, BM,
                        BNT, KT, FLAT)
         c = tl.arange(0, 128)
         z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]
         tl.store(z_ptr + pid_s * stride_zs + z_offs, acc, mask=mask_m[:, None])
-        tl.debug_barrier()
+        cta_barrier(cnt_ptr, M)
         # The epilogue sees the part alone: z, svh, bias and y shifted to the part's first column.
         y_col = tl.load(row + 2)
         finish = True
@@ -183,6 +185,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
             finish = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == splits - 1
             if finish:
                 tl.store(lock, 0)
+                global_fence(cnt_ptr, M)  # the other splits' partials, acquired by one thread, for all of them (Intel)
         if finish:
             finish_block(z_ptr + part_cols, stride_zs, splits, pid_m * BM, tl.minimum(M - pid_m * BM, BM), size_n,
                          local_n * 128, svh_ptr + part_cols, bias_ptr + y_col, y_ptr + y_col, stride_ym,
@@ -219,7 +222,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         if IN_X:
             input_rows(x_ptr, stride_xm, suh_ptr + e * size_k, u_ptr, size_k, k_valid,
                        pid_s * steps_per_split * KT * 16, steps_per_split * KT * 16, row0, 1, 1, 0, SCALE, x_div, GLU)
-            tl.debug_barrier()  # as above
+            cta_barrier(cnt_ptr, M)  # as above
     else:
         w_base = w_ptr
         svh_base = svh_ptr
@@ -231,19 +234,20 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         if IN_X:
             input_rows(x_ptr, stride_xm, suh_ptr, u_ptr, size_k, k_valid, pid_s * steps_per_split * KT * 16,
                        steps_per_split * KT * 16, row0, rows, 1, 0, SCALE)
-            tl.debug_barrier()  # as above
+            cta_barrier(cnt_ptr, M)  # as above
     acc = ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, pid_s * steps_per_split * KT, steps,
                    pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT, FLAT)
     # Every split stores its partial; the last one to arrive (or the only one) finishes the block.
     c = tl.arange(0, 128)
     z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]
     tl.store(z_ptr + pid_s * stride_zs + z_offs, acc, mask=mask_m[:, None])
-    tl.debug_barrier()  # every thread's partial is written before the counter says so / before the reload
+    cta_barrier(cnt_ptr, M)  # every thread's partial is written before the counter says so / before the reload
     if SPLIT:
         lock = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
         splits = tl.num_programs(1)
         if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == splits - 1:
             tl.store(lock, 0)
+            global_fence(cnt_ptr, M)  # as above
             finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, pid_n * 128, svh_base, bias_base, y_ptr,
                          stride_ym, n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED)
     else:

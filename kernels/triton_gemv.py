@@ -32,6 +32,7 @@ from exl3local.kernels.triton_decode import (
 )
 from exl3local.kernels.triton_fused import finish_block
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
+from exl3local.kernels.triton_sync import cta_barrier, global_fence
 
 # Programs per compute unit that split-K aims for: 4.5 picks the best measured split on all four 27B decode
 # shapes on the H200 (docs/perf/h200-v3b-sweep.log: 8 splits at 5120x17408, 16 at 5120x5120 and 17408x5120);
@@ -169,11 +170,12 @@ def exl3_gemv_ring_kernel(u_ptr, w_ptr, z_ptr, M, size_k, tiles_n, tk_per_split,
     offs = rm.to(tl.int64)[:, None, None, None] * (tiles_n * 16) + cols[None, :, :, :]
     tl.store(z_ptr + pid_s * stride_zs + offs, z, mask=mask_m[:, None, None, None] & mask_n[None, :, None, None])
     if EPILOGUE:
-        tl.debug_barrier()  # every thread's partial is written before the counter says so
+        cta_barrier(cnt_ptr, M)  # every thread's partial is written before the counter says so (triton_sync)
         lock = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
         splits = tl.num_programs(1)
         if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == splits - 1:
             tl.store(lock, 0)
+            global_fence(cnt_ptr, M)  # the other splits' partials, acquired by one thread, for all of them (Intel)
             row0 = pid_m * BM
             for hb in range(tl.minimum(BNT, tiles_n - pid_n * BNT) // 8):
                 finish_block(z_ptr, stride_zs, splits, row0, tl.minimum(M - row0, BM), tiles_n * 16,

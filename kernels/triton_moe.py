@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from exl3local.kernels.bound import DirectLaunch, FusedLaunch, bind_moe
+from exl3local.kernels.triton_sync import cta_barrier
 
 COMBINE_BLOCK = 512  # output columns per combine program
 TABLE_BLOCK = 1024  # units per step of the tile-table kernel (one program walks them all)
@@ -45,16 +46,17 @@ def _tile_table_kernel(ids_ptr, cnt_ptr, out_ptr, units, tiles, experts, TILE: t
     grouped position of each tile of up to TILE units of one expert; starts past the last tile hold `units`.
     cnt_ptr: experts + 1 int32, zero on entry and on exit (bin `experts` counts the remote units).
 
-    One program, four passes with a CTA barrier between: rank each unit within its bin by an atomic add on the
-    bin's count (the order inside a bin is whatever the atomics give: each unit's output depends on its own row
-    only, so the results do not), prefix sums into bin starts and tiles, scatter, reset the counts."""
+    One program, four passes with a CTA barrier between (triton_sync's: the passes hand over global memory): rank
+    each unit within its bin by an atomic add on the bin's count (the order inside a bin is whatever the atomics
+    give: each unit's output depends on its own row only, so the results do not), prefix sums into bin starts and
+    tiles, scatter, reset the counts."""
     for b in range(0, units, BLOCK):
         p = b + tl.arange(0, BLOCK)
         valid = p < units
         key = tl.load(ids_ptr + p, mask=valid, other=0).to(tl.int32)
         key = tl.where(key < 0, experts, key)
         tl.store(out_ptr + 2 * units + tiles + p, tl.atomic_add(cnt_ptr + key, 1, mask=valid), mask=valid)
-    tl.debug_barrier()
+    cta_barrier(cnt_ptr, units)
     e = tl.arange(0, EB)
     count = tl.load(cnt_ptr + e, mask=e < experts, other=0)
     start = tl.cumsum(count, 0) - count + (units - tl.sum(count, 0))  # the remote units come first
@@ -66,10 +68,10 @@ def _tile_table_kernel(ids_ptr, cnt_ptr, out_ptr, units, tiles, experts, TILE: t
     for b in range(0, tiles, BLOCK):
         t = b + tl.arange(0, BLOCK)
         tl.store(out_ptr + 2 * units + t, units, mask=(t >= used) & (t < tiles))
-    tl.debug_barrier()  # every thread has read the counts before they become bin starts
+    cta_barrier(cnt_ptr, units)  # every thread has read the counts before they become bin starts
     tl.store(cnt_ptr + e, start, mask=e < experts)
     tl.store(cnt_ptr + experts, 0)  # the remote bin starts at position 0
-    tl.debug_barrier()
+    cta_barrier(cnt_ptr, units)
     for b in range(0, units, BLOCK):
         p = b + tl.arange(0, BLOCK)
         valid = p < units
@@ -78,7 +80,7 @@ def _tile_table_kernel(ids_ptr, cnt_ptr, out_ptr, units, tiles, experts, TILE: t
         pos = tl.load(cnt_ptr + key, mask=valid, other=0) + tl.load(out_ptr + 2 * units + tiles + p, mask=valid)
         tl.store(out_ptr + pos, p, mask=valid)
         tl.store(out_ptr + units + pos, tl.where(key == experts, -1, key), mask=valid)
-    tl.debug_barrier()
+    cta_barrier(cnt_ptr, units)
     tl.store(cnt_ptr + e, 0, mask=e <= experts)
 
 

@@ -13,6 +13,7 @@ lowered to plain FMAs would be a silent slow path. Run with TRITON_INTERPRET uns
 
 from __future__ import annotations
 
+import re
 import sys
 
 import triton
@@ -45,6 +46,9 @@ FMA_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "si
             "svh_ptr": "*fp16", "bias_ptr": "*fp16", "y_ptr": "*bf16", "cnt_ptr": "*i32", "stride_ym": "i32",
             "n_out": "i32"}
 BACKEND = ["cuda"]
+# A work-group barrier whose memory semantics include CrossWorkgroupMemory (0x200): OpenCL's barrier(CLK_GLOBAL_MEM_FENCE).
+# tl.debug_barrier() lowers to `_Z7barrierj(i32 1)`, a local-memory fence only (kernels/triton_sync.py).
+SPIRV_BARRIER = re.compile(r"__spirv_ControlBarrieriii\(i32 2, i32 2, i32 (\d+)\)")
 
 
 def offline_intel_backend() -> None:
@@ -60,7 +64,9 @@ def offline_intel_backend() -> None:
     backends["intel"].compiler.__init__.__globals__["compile_module_from_src"] = lambda *args, **kwargs: NoDeviceArch
 
 
-def compile_one(fn, args: dict[str, str], constants: dict, **options) -> None:
+def compile_one(fn, args: dict[str, str], constants: dict, global_barriers: int = 0, **options) -> None:
+    """global_barriers: how many work-group barriers ordering global memory the kernel needs (each place where a
+    program's threads read what its other threads stored to global memory); checked in Intel's LLVM IR."""
     signature = dict(args, **{name: "constexpr" for name in constants})
     try:
         kernel = triton.compile(ASTSource(fn, signature, constants), target=TARGETS[BACKEND[0]], options=options)
@@ -72,6 +78,12 @@ def compile_one(fn, args: dict[str, str], constants: dict, **options) -> None:
     if has_dot and MATRIX_LAYOUT[BACKEND[0]] not in ttgir:
         print(f"FAILED {fn.__name__} {constants}: its tl.dot did not get the {MATRIX_LAYOUT[BACKEND[0]]} layout")
         sys.exit(1)
+    if BACKEND[0] == "xpu":
+        found = sum(int(bits) & 0x200 != 0 for bits in SPIRV_BARRIER.findall(kernel.asm["llir"]))
+        if found < global_barriers:
+            print(f"FAILED {fn.__name__} {constants}: {found} work-group barriers order global memory, "
+                  f"{global_barriers} needed (kernels/triton_sync.py)")
+            sys.exit(1)
     print(f"ok {fn.__name__} {constants}" + (" (matrix units)" if has_dot else ""))
 
 
@@ -98,7 +110,7 @@ def main() -> None:
                 dict(HAS_IDS=True, SCALE=HADAMARD_SCALE, BM=64, PAIRS=True, GLU=True))
     compile_one(triton_moe._tile_table_kernel, {"ids_ptr": "*i64", "cnt_ptr": "*i32", "out_ptr": "*i32", "units": "i32",
                                                 "tiles": "i32", "experts": "i32"},
-                dict(TILE=16, EB=512, BLOCK=triton_moe.TABLE_BLOCK))
+                dict(TILE=16, EB=512, BLOCK=triton_moe.TABLE_BLOCK), global_barriers=4)
     compile_one(triton_moe._combine_kernel, {"y_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16",
                                              "size_n": "i32", "n_out": "i32"},
                 dict(TOP_K=8, BN=triton_moe.COMBINE_BLOCK))
@@ -138,11 +150,14 @@ def main() -> None:
                 constants["KT"] = tile_kt
             # with GROUPED, ids_ptr is the int32 tile table
             args = dict(FUSED_ARGS, ids_ptr="*i32") if constants["GROUPED"] else FUSED_ARGS
-            compile_one(triton_fused.exl3_fused_kernel, args, constants, num_warps=tile_warps if tiled else warps,
-                        num_stages=1)
+            # the partials before the epilogue (split-K: before the counter, and the acquired partials after it), u
+            compile_one(triton_fused.exl3_fused_kernel, args, constants,
+                        global_barriers=1 + constants["SPLIT"] + constants["IN_X"],
+                        num_warps=tile_warps if tiled else warps, num_stages=1)
         block_m, block_nt = triton_gemv.ring_config(1, bits)
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,
-                    dict(rate, BM=block_m, BNT=block_nt, EPILOGUE=True, HAS_BIAS=True, SCALE=HADAMARD_SCALE))
+                    dict(rate, BM=block_m, BNT=block_nt, EPILOGUE=True, HAS_BIAS=True, SCALE=HADAMARD_SCALE),
+                    global_barriers=2)
         compile_one(triton_gemm._right_reconstruct_kernel,
                     {"w_ptr": "*i32", "had_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "tiles_n": "i32",
                      "tk_per_program": "i32"}, dict(rate, SCALE=HADAMARD_SCALE, KT=4))
