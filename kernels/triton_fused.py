@@ -16,8 +16,9 @@ split sums in split order, fp32 butterfly; only the butterfly's addition order d
 
 Split-K handshake (CUTLASS-style semaphore): partial stores, CTA barrier, one gpu-scope acq_rel atomic on
 the block's counter; the last program reads the partials from L2 (.cg) and resets the counter to 0 for the
-next launch. Every barrier that orders global memory between a program's threads (u, partials) is
-triton_sync's, which also orders global memory under Intel's backend. Counters and partials live in a per-stream workspace (kernels/bound.py) that starts zeroed.
+next launch. Counters and partials live in a per-stream workspace (kernels/bound.py) that starts zeroed.
+Every barrier that hands global memory (u, partials) between a program's threads is triton_sync's: under Intel's
+backend tl.debug_barrier() alone orders local memory only.
 
 Measured and dropped (docs/PERF.md v4a): the input transform inside this kernel (a 16×128×16KT dot with a
 gathered slice of the ±1 matrix per K step, recomputed by every column block) made it 1-wide launch but
@@ -167,7 +168,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
             input_rows(x_ptr, stride_xm, suh_ptr + tl.load(row + 5) * size_k, u_ptr, size_k, k_valid,
                        pid_s * steps_per_split * KT * 16, steps_per_split * KT * 16, pid_m * BM,
                        tl.minimum(M - pid_m * BM, BM), PARTS, tl.load(row + 5), SCALE)
-            cta_barrier(cnt_ptr, M)  # this program's u stores are visible to all its threads before the K loop reads them
+            cta_barrier(cnt_ptr, M)  # this program's u stores are visible to all its threads before the K loop
         acc = ring_dot(u_ptr, w_ptr + tl.multiple_of(tl.load(row), 16), rm * PARTS + tl.load(row + 5), mask_m, size_k, part_n,
                        pid_s * steps_per_split * KT, steps_per_split, local_n * BNT, KA, HALF, W32, G, CODEBOOK, BM,
                        BNT, KT, FLAT)

@@ -46,7 +46,7 @@ FMA_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "si
             "svh_ptr": "*fp16", "bias_ptr": "*fp16", "y_ptr": "*bf16", "cnt_ptr": "*i32", "stride_ym": "i32",
             "n_out": "i32"}
 BACKEND = ["cuda"]
-# A work-group barrier whose memory semantics include CrossWorkgroupMemory (0x200): OpenCL's barrier(CLK_GLOBAL_MEM_FENCE).
+# A work-group barrier whose semantics include CrossWorkgroupMemory (0x200): OpenCL's barrier(CLK_GLOBAL_MEM_FENCE).
 # tl.debug_barrier() lowers to `_Z7barrierj(i32 1)`, a local-memory fence only (kernels/triton_sync.py).
 SPIRV_BARRIER = re.compile(r"__spirv_ControlBarrieriii\(i32 2, i32 2, i32 (\d+)\)")
 
