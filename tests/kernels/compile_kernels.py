@@ -3,6 +3,8 @@
     python -P compile_kernels.py cuda   sm_90 with the installed Triton's CUDA backend (ptxas ships in the wheel)
     python -P compile_kernels.py xpu    SPIR-V with Intel's XPU backend (the `triton-xpu` package that
                                         scripts/setup puts in .venv/triton-xpu; run with it first on PYTHONPATH)
+    python -P compile_kernels.py xpu DIR  also writes each kernel's LLVM IR (xpu) or PTX (cuda) to DIR, numbered
+                                        in compile order, to read what a construct lowers to
 
 The interpreter accepts code that a compiler refuses (e.g. module-level ints read inside a kernel), and a
 construct Intel's backend does not lower would only show on Arc, so CI compiles SPIR-V (and the GPU test runs
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -46,6 +49,7 @@ FMA_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "si
             "svh_ptr": "*fp16", "bias_ptr": "*fp16", "y_ptr": "*bf16", "cnt_ptr": "*i32", "stride_ym": "i32",
             "n_out": "i32"}
 BACKEND = ["cuda"]
+IR_DIR: list[Path] = []  # where to write each kernel's IR (second argument), none by default
 # A work-group barrier whose semantics include CrossWorkgroupMemory (0x200): OpenCL's barrier(CLK_GLOBAL_MEM_FENCE).
 # tl.debug_barrier() lowers to `_Z7barrierj(i32 1)`, a local-memory fence only (kernels/triton_sync.py).
 SPIRV_BARRIER = re.compile(r"__spirv_ControlBarrieriii\(i32 2, i32 2, i32 (\d+)\)")
@@ -84,6 +88,10 @@ def compile_one(fn, args: dict[str, str], constants: dict, global_barriers: int 
             print(f"FAILED {fn.__name__} {constants}: {found} work-group barriers order global memory, "
                   f"{global_barriers} needed (kernels/triton_sync.py)")
             sys.exit(1)
+    if IR_DIR:
+        count = len(list(IR_DIR[0].iterdir()))
+        ir, comment = ("llir", ";") if BACKEND[0] == "xpu" else ("ptx", "//")
+        (IR_DIR[0] / f"{count:02d}_{fn.__name__}.{ir}").write_text(f"{comment} {constants}\n" + kernel.asm[ir])
     print(f"ok {fn.__name__} {constants}" + (" (matrix units)" if has_dot else ""))
 
 
@@ -167,6 +175,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     BACKEND[0] = sys.argv[1]
+    if len(sys.argv) > 2:
+        IR_DIR.append(Path(sys.argv[2]))
+        IR_DIR[0].mkdir(parents=True, exist_ok=True)
     print(f"Triton {triton.__version__} ({triton.__file__}), target {TARGETS[BACKEND[0]]}")
     if BACKEND[0] == "xpu":
         offline_intel_backend()
