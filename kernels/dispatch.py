@@ -235,8 +235,8 @@ class CpuLinearKernel(Exl3Kernel):
         super().__init__(spec, device)
         self.bound: dict[tuple, object] = {}
         self.int8 = ops.int8_active(spec.codebook)  # read once: path_for names what apply runs
-        # The GEMM path runs on AMX where the CPU has it and ops.CpuLinear.amx_rows says (bf16 rows; fp32 rows up to
-        # AMX_U_MAX_ROWS), fp32 BLAS otherwise.
+        # The GEMM path runs on AMX where the CPU has it and ops.CpuLinear.amx_rows says (bf16 rows; fp32 and fp16
+        # rows up to AMX_U_MAX_ROWS), fp32 BLAS otherwise.
         self.amx = ops.amx_active(ops.library())
 
     @classmethod

@@ -155,10 +155,10 @@ class CpuLinear:
     @staticmethod
     def amx_rows(dtype: torch.dtype, rows: int) -> bool:
         """Whether a GEMM of `rows` rows in `dtype` runs on AMX (where amx_active): bf16 rows always (the W' planes
-        take x as it is), fp32 rows up to AMX_U_MAX_ROWS (the u split computes u in fp32 from any x; this serves the
-        MoE path's busier experts). fp16 rows keep the fp32 BLAS path (the load-time self-test names fp16's GEMM
-        check `cpu_gemm`)."""
-        return dtype == torch.bfloat16 or (dtype == torch.float32 and rows <= AMX_U_MAX_ROWS)
+        take x as it is), fp32 and fp16 rows up to AMX_U_MAX_ROWS (the u split computes u in fp32 from any x; fp32
+        serves the MoE path's busier experts). fp32/fp16 rows past that keep the fp32 BLAS path: the W' planes need
+        x exact in one bf16 plane."""
+        return dtype == torch.bfloat16 or (dtype in (torch.float32, torch.float16) and rows <= AMX_U_MAX_ROWS)
 
     def path_for(self, rows: int) -> str:
         if rows > GEMV_MAX_ROWS:
@@ -219,8 +219,8 @@ class CpuLinear:
                   threads: int) -> torch.Tensor:
         """x on AMX (amx_rows): y = H(x · W') ⊙ svh (+ bias) per 128-column panel, W' decoded, transformed and split
         into bf16 planes inside the library (no workspace here); the fp32 sums are rounded once into a bf16 output. Up
-        to AMX_U_MAX_ROWS rows (bf16 or fp32 x): H(u · Ŵ) ⊙ svh (+ bias), u = H(x ⊙ suh) in three bf16 planes, Ŵ in
-        two (exact too)."""
+        to AMX_U_MAX_ROWS rows (bf16, fp16 or fp32 x): H(u · Ŵ) ⊙ svh (+ bias), u = H(x ⊙ suh) in three bf16 planes,
+        Ŵ in two (exact too)."""
         y_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
         y = torch.empty(x.shape[0], self.size_n, dtype=y_dtype)
         bias = bias.float().contiguous() if bias is not None else None

@@ -63,14 +63,17 @@ def test_amx_gemm_is_as_exact_as_the_fp32_path(codebook, bits, rows):
     assert (_planes(lin, x, 2).double() - truth).abs().max().item() > 4 * err
 
 
-@pytest.mark.parametrize("codebook,bits,rows", [("mul1", 4, 1), ("3inst", 3, 9), ("mcg", 2, 17), ("mul1", 2.5, 32)])
-def test_few_rows_take_the_u_split_as_exact_as_the_fp32_path(codebook, bits, rows):
+@pytest.mark.parametrize("codebook,bits,rows,dtype", [("mul1", 4, 1, torch.bfloat16), ("3inst", 3, 9, torch.bfloat16),
+                                                       ("mcg", 2, 17, torch.bfloat16), ("mul1", 2.5, 32, torch.bfloat16),
+                                                       ("mul1", 4, 12, torch.float16), ("3inst", 2, 32, torch.float16)])
+def test_few_rows_take_the_u_split_as_exact_as_the_fp32_path(codebook, bits, rows, dtype):
     """Up to AMX_U_MAX_ROWS rows: u in three bf16 planes times Ŵ in two (no Hadamard in the pack), against fp64 no
-    worse than the fp32 path; row counts with and without a partial 16-row block."""
-    assert rows <= ops.AMX_U_MAX_ROWS
+    worse than the fp32 path; row counts with and without a partial 16-row block; fp16 x too (u is computed in fp32
+    from x widened exactly, so fp16's 11 significand bits are kept)."""
+    assert rows <= ops.AMX_U_MAX_ROWS and ops.CpuLinear.amx_rows(dtype, rows)
     trellis, suh, svh = _layer(384, 256, bits, codebook, seed=rows)
     lin = ops.CpuLinear(trellis, suh, svh, bits, codebook)
-    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(5)).to(dtype)
     truth = _truth(lin, x)
     got = lin._gemm_amx(x, torch.float32, None, 1)
     assert torch.equal(got, _u_split(lin, x))
@@ -128,11 +131,11 @@ _U, _W = "exl3_cpu_gemm_amx_u", "exl3_cpu_gemm_amx"
 
 
 @pytest.mark.parametrize("dtype,served", [(torch.bfloat16, [_U, _U, _W]), (torch.float32, [_U, _U, None]),
-                                          (torch.float16, [None, None, None])])
+                                          (torch.float16, [_U, _U, None])])
 def test_dispatch_names_the_gemm_engine_that_serves_the_call(monkeypatch, dtype, served):
     """The trace and the dashboard say which engine ran a prefill: AMX for bf16 rows (few through the u split, more
-    through the W' planes) and for fp32 rows up to AMX_U_MAX_ROWS (the u split; the MoE path's busier experts), fp32
-    BLAS otherwise. Rows: GEMV_MAX_ROWS + 1, AMX_U_MAX_ROWS, AMX_U_MAX_ROWS + 1."""
+    through the W' planes) and for fp32 and fp16 rows up to AMX_U_MAX_ROWS (the u split; fp32: the MoE path's busier
+    experts), fp32 BLAS otherwise. Rows: GEMV_MAX_ROWS + 1, AMX_U_MAX_ROWS, AMX_U_MAX_ROWS + 1."""
     trellis, suh, svh = _layer(256, 256, 4, "mul1")
     kernel = CpuLinearKernel(KernelSpec(256, 256, 4, "mul1", dtype), DeviceInfo.of(torch.device("cpu")))
     lib = ops.library()
