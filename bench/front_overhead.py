@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -111,11 +112,21 @@ def summary(cells: dict[str, list[dict]]) -> dict:
     # vLLM sends fewer, fuller SSE events when its API server lags (load): per event compares across runs
     out["cpu_ms_per_event"] = 1000 * busy / out["front"]["events"]
     out["idle_cpu_ms_per_s"] = 1000 * idle_rate
+    if "burn" in cells:  # the front with extra CPU against the plain front, paired per round as above
+        pairs = list(zip(cells["burn"], cells["front"], strict=True))
+        diff = [1000 * (statistics.median(r[0] for r in b["rows"]) - statistics.median(r[0] for r in f["rows"]))
+                for b, f in pairs]
+        ratio = [statistics.median(r[1] for r in b["rows"]) / statistics.median(r[1] for r in f["rows"])
+                 for b, f in pairs]
+        out["burn_ttft_diff_ms"] = (statistics.median(diff), *ci95(diff))
+        out["burn_decode_ratio"] = (statistics.median(ratio), *ci95(ratio))
+        burnt = sum(c["cpu_s"] for c in cells["burn"]) - idle_rate * sum(c["wall_s"] for c in cells["burn"])
+        out["burn_cpu_ms_per_request"] = 1000 * burnt / out["burn"]["requests"]
     return out
 
 
 async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int, levels: list[int],
-                  daemon: psutil.Process, keepalive: float) -> dict:
+                  daemon: psutil.Process, keepalive: float, burn_flag: Path | None = None) -> dict:
     # idle connections dropped by this client before either server drops them (the engine closes after 60 s idle, the
     # endpoint after 30 s): a POST sent on a connection the server is closing at that moment fails with "Server
     # disconnected". 2 s (the default): every burst opens new connections on both paths; a fresh burst of Unix
@@ -130,11 +141,18 @@ async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int,
             await cell(front, model, 8, c, daemon)
             await cell(direct, model, 8, c, daemon)
         for c in levels:
-            cells: dict[str, list[dict]] = {"front": [], "direct": []}
+            paths = [("front", front), ("direct", direct)] + ([("burn", front)] if burn_flag else [])
+            cells: dict[str, list[dict]] = {name: [] for name, _ in paths}
             for r in range(rounds):
-                order = [("front", front), ("direct", direct)] if r % 2 == 0 else [("direct", direct), ("front", front)]
+                order = paths[r % len(paths):] + paths[:r % len(paths)]  # each path first in turn
                 for name, client in order:
-                    cells[name].append(await cell(client, model, tokens, c, daemon))
+                    if name == "burn":
+                        burn_flag.touch()  # the daemon's front burns extra CPU (bench/front_burn_site.py)
+                    try:
+                        cells[name].append(await cell(client, model, tokens, c, daemon))
+                    finally:
+                        if name == "burn":
+                            burn_flag.unlink()
             results[c] = summary(cells)
     return results
 
@@ -163,10 +181,18 @@ def report(res: dict, head: str) -> None:
               f"  daemon CPU {s['cpu_ms_per_request']:.1f} ms per request, {s['cpu_ms_per_event']:.2f} ms per SSE "
               f"event ({f['events'] / f['requests']:.0f} per request) through the front "
               f"(idle {s['idle_cpu_ms_per_s']:.1f} ms/s subtracted)")
+        if "burn" in s:
+            b = s["burn"]
+            t, tl, th = s["burn_ttft_diff_ms"]
+            r, rl, rh = s["burn_decode_ratio"]
+            print(f"  burn (the front + extra CPU): TTFT ms p25/p50/p75 {b['ttft_ms'][0]:.1f}/{b['ttft_ms'][1]:.1f}/"
+                  f"{b['ttft_ms'][2]:.1f}, decode p50 {b['decode'][1]:.1f} tok/s; daemon CPU "
+                  f"{s['burn_cpu_ms_per_request']:.1f} ms per request; paired per round against the front: TTFT "
+                  f"{t:+.1f} ms (95% {tl:+.1f}..{th:+.1f}), decode {r:.3f}x (95% {rl:.3f}..{rh:.3f})")
         if c > 1:
-            print("  TTFT ms p50 by start order in a round  front " +
-                  "/".join(f"{v:.0f}" for v in f["ttft_ms_by_start"]) + "  direct " +
-                  "/".join(f"{v:.0f}" for v in d["ttft_ms_by_start"]))
+            print("  TTFT ms p50 by start order in a round  " + "  ".join(
+                f"{name} " + "/".join(f"{v:.0f}" for v in s[name]["ttft_ms_by_start"])
+                for name in ("front", "direct", "burn") if name in s))
 
 
 def main() -> None:
@@ -178,9 +204,21 @@ def main() -> None:
     ap.add_argument("--keepalive", type=float, default=2.0, help="seconds the bench's clients keep an idle "
                     "connection (25: kept across rounds on both paths; below the endpoint's 30 s)")
     ap.add_argument("--standin", type=Path, help="a Python file that stands in for vLLM (see above)")
+    ap.add_argument("--burn", type=float, nargs=2, metavar=("REQUEST_US", "EVENT_US"),
+                    help="a third path: the front spending that much extra CPU per request and per streamed read "
+                    "(bench/front_burn_site.py): what the daemon's CPU costs the client")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="exl3b-", dir="/tmp") as tmp:
         env = isolated_env(Path(tmp))
+        burn_flag = None
+        if args.burn:
+            site = Path(tmp) / "burnsite"
+            site.mkdir()
+            shutil.copy(Path(__file__).resolve().parent / "front_burn_site.py", site / "sitecustomize.py")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+            burn_flag = Path(tmp) / "burning"
+            env.update(FRONT_BURN_FLAG=str(burn_flag), FRONT_BURN_REQUEST_US=str(args.burn[0]),
+                       FRONT_BURN_EVENT_US=str(args.burn[1]))
         if args.standin:
             wrapper = Path(tmp) / "engine-python"
             wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {args.standin.resolve()} \"$@\"\n")
@@ -198,14 +236,16 @@ def main() -> None:
             endpoint = status["endpoint"].removesuffix("/v1")
             load0 = os.getloadavg()[0]
             res = asyncio.run(measure(endpoint, uds, status["served_model_name"], args.rounds, args.tokens,
-                                      args.concurrency, psutil.Process(status["daemon_pid"]), args.keepalive))
+                                      args.concurrency, psutil.Process(status["daemon_pid"]), args.keepalive,
+                                      burn_flag))
             load1 = os.getloadavg()[0]
         finally:
             cli(env, "down")
     engine = f"stand-in {args.standin.name}" if args.standin else "vLLM"
     report(res, f"model {status['model']} on {engine}, {args.tokens} tokens per request, {args.rounds} rounds per "
                 f"path, clients keep idle connections {args.keepalive:g} s; load average {load0:.1f} at the start, "
-                f"{load1:.1f} at the end")
+                f"{load1:.1f} at the end" + (f"; burn path: +{args.burn[0]:g} us per request, +{args.burn[1]:g} us "
+                                             "per streamed read" if args.burn else ""))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import uvloop
 BODY = b'{"model": "m", "prompt": "def fibonacci(n):", "max_tokens": 1, "stream": true}'
 
 
-def engine(uds: str, tokens: int) -> None:
+def engine(uds: str, tokens: int, step_ms: float) -> None:
     """The engine process: vLLM's server stack (uvicorn with httptools on a Unix socket), no model."""
     import uvicorn
 
@@ -52,6 +52,8 @@ def engine(uds: str, tokens: int) -> None:
             pass
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for _ in range(tokens):
+            if step_ms:  # one event per engine step, as vLLM writes them: each a read of its own at the front
+                await asyncio.sleep(step_ms / 1000)
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
@@ -150,17 +152,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="the engine sends one event per step of this length (0: all at once)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--profile", nargs="?", const="tottime", choices=["tottime", "cumulative"],
                     help="cProfile of the loop thread over one more run, sorted so")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # the engine process's own entry: its socket path
     args = ap.parse_args()
     if args.engine:
-        engine(args.engine, args.tokens)
+        engine(args.engine, args.tokens, args.step_ms)
         return
     with tempfile.TemporaryDirectory(prefix="exl3f-") as tmp:
         uds = str(Path(tmp) / "engine.sock")
-        proc = subprocess.Popen([sys.executable, "-P", __file__, "--engine", uds, "--tokens", str(args.tokens)])
+        proc = subprocess.Popen([sys.executable, "-P", __file__, "--engine", uds, "--tokens", str(args.tokens),
+                                 "--step-ms", str(args.step_ms)])
         try:
             while True:  # until the engine accepts
                 try:
