@@ -123,7 +123,8 @@ class _Forwarded:
         try:
             await send({"type": "http.response.start", "status": upstream.status, "headers": [
                 (k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in HOP_BY_HOP]})
-            async for chunk in upstream.content.iter_any():
+            content = upstream.content
+            while chunk := await content.readany():
                 self._progress(self._ticket, True)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
