@@ -2,7 +2,8 @@
 # One H200 call for session 12's barrier change (kernels/triton_sync.py; docs/dev/notes/issue-21.md "Session 12").
 # Carry: .whl and .device-carry as for bench/kernels-device.sh (the tests read shared/fixtures; exllamav3 is not
 # needed). Logs and JSON go to $OUT.
-#   1. the GPU tests of the kernels, and the sm_90 compile of every kernel (tests/kernels/test_compile_targets.py, gpu);
+#   1. the GPU tests of the kernels (the self-test's repeats over NaN included), and the sm_90 compile of every
+#      kernel (tests/kernels/test_compile_targets.py, gpu);
 #   2. bench/barrier_ab.py with the kernels as committed (new), with a copy in which triton_sync's calls are
 #      tl.debug_barrier() / nothing again (old: the code before), and new once more (the run's drift): graph µs per
 #      27B linear (two launches, split-K and unsplit) and per one-launch shape, decode rows 1/4/16; the outputs of old
@@ -11,7 +12,8 @@ set -u
 source bench/device-setup.sh
 (cd /tmp && timeout ${TEST_SECONDS:-240} python3 -P -m pytest -q -x -p no:cacheprovider --rootdir "$REPO" \
   -c "$REPO/pyproject.toml" "$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_bound.py \
-  "$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_compile_targets.py::test_every_kernel_compiles_for_sm90 \
+  "$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_selftest.py \
+  "$REPO"/tests/kernels/test_compile_targets.py::test_every_kernel_compiles_for_sm90 \
   2>&1 | tail -15 | tee "$OUT/tests.log")
 echo "tests done at +$(( $(date +%s) - start )) s"
 mkdir -p /tmp/shim_old && cp -r /tmp/shim/exl3local /tmp/shim_old/ && rm /tmp/shim_old/exl3local/kernels

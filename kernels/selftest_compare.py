@@ -107,7 +107,8 @@ def counters_clear(launch) -> bool:
 def compare(y: torch.Tensor, expected: torch.Tensor, launch=None, path: str = "") -> tuple[bool, float, str]:
     err = relative_error(y, expected)
     if err != err:  # NaN: a non-finite output
-        return False, err, "non-finite output (a split-K partial read before it was stored?)"
+        return False, err, ("non-finite output (a u or split-K partial read before it was stored? "
+                           "the barriers of kernels/triton_sync.py)")
     if err > tolerance(y.dtype, path):
         return False, err, f"relative error {err:.3g} > {tolerance(y.dtype, path):.3g}"
     if launch is not None and not counters_clear(launch):

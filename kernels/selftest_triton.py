@@ -27,6 +27,26 @@ def _nan_workspace(launch, rows: int) -> None:
     ws.partials.fill_(float("nan"))
 
 
+def _repeats(device: torch.device) -> int:
+    """Launches after the first over a refilled NaN workspace. A race between a program's threads (a u or a partial
+    loaded before its store reached global memory: the barriers of kernels/triton_sync.py) need not show in one
+    launch, and the kernels are deterministic, so every repeat must write the same bits. The interpreter runs
+    programs one after another (no race to catch): one repeat there keeps the comparison itself tested."""
+    return 1 if interpreted(device) else 3
+
+
+def _unstable(launch, rows: int, run: Callable[[], torch.Tensor], first: torch.Tensor) -> str:
+    """Why `run`, with the workspace refilled with NaN before each repeat, did not write `first`'s bits again;
+    "" when every repeat did."""
+    for repeat in range(1, _repeats(launch.device) + 1):
+        _nan_workspace(launch, rows)
+        again = run()
+        if not torch.equal(again, first):
+            return (f"launch {repeat + 1} over a NaN workspace differs from the first: a race between a program's "
+                    "threads (kernels/triton_sync.py's barriers)")
+    return ""
+
+
 def _check_decode(bits, codebook, device, shape):
     from exl3local.kernels.triton_decode import decode_dense
 
@@ -91,6 +111,9 @@ def _check_gemv(bits, codebook, device, shape, rows: int, split: bool, dtype: to
         return None  # this shape or row count is past the one-launch limits
     expected = reference.linear(x.cpu().float(), trellis.cpu(), suh.cpu(), svh.cpu(), bits, codebook)
     ok, err, why = compare(out, expected, launch if split else None)
+    if ok and (split or one_launch):
+        why = _unstable(launch, rows, lambda: _into(launch, x, y, rows), out)
+        ok = not why
     return ok, err, us, why
 
 
@@ -166,6 +189,9 @@ def _check_moe(bits, codebook, device, shape, one_launch: bool = False):
         for t in range(tokens)
     ])  # fmt: skip
     ok, err, why = compare(y, expected, launch)
+    if ok:
+        why = _unstable(launch, ids.numel(), lambda: moe_units(launch, x, ids), y)
+        ok = not why
     return ok, err, us, why
 
 
