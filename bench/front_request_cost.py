@@ -3,11 +3,12 @@ queues behind on the daemon's loop (issue 23: at concurrency 8 the last request 
 cost late).
 
     cd /tmp && /work/main/.venv/bin/python -P /work/main/bench/front_request_cost.py [--requests 2000] [--tokens 1]
-        [--concurrency 1 8] [--profile [tottime|cumulative]]
+        [--step-ms 0] [--concurrency 1 8] [--profile [tottime|cumulative]]
 
 The real Front (uvicorn + httptools, uvloop, as the daemon runs it) with a stand-in daemon around it (no
 scheduler work, a READY engine), forwarding to an engine in another process that is served the way vLLM is
-(uvicorn, httptools, keep-alive on a Unix socket) and streams `--tokens` SSE events at once. Clients are threads
+(uvicorn, httptools, keep-alive on a Unix socket) and streams `--tokens` SSE events at once, or one per
+`--step-ms` (each then a read of its own at the front, as vLLM's are). Clients are threads
 of this process with keep-alive connections (http.client). Per request: the CPU time of the loop's thread alone
 (the clients' threads and the engine are not in it) over the requests; at --tokens 1 that is the request's fixed
 cost, most of it before its first byte (one event and the end follow). At concurrency 1 it also gives the loop's
@@ -92,12 +93,20 @@ def timed(app, spent: list[float]):
     return app_timed
 
 
-async def run(front_port: int, requests: int, c: int, profile: cProfile.Profile | None) -> tuple[float, list[float]]:
-    """(loop-thread CPU ms per request, each request's time to its first body byte)."""
+def thread_ticks() -> tuple[int, int]:
+    """(user, system) clock ticks of the calling thread so far (/proc): how much of its CPU is the kernel's."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
+
+
+async def run(front_port: int, requests: int, c: int, profile: cProfile.Profile | None
+              ) -> tuple[float, list[float], float]:
+    """(loop-thread CPU ms per request, each request's time to its first body byte, the kernel's share of that CPU)."""
     barrier = threading.Barrier(c)
     firsts: list[float] = []
     threads = [threading.Thread(target=client, args=(front_port, requests // c, barrier, firsts)) for _ in range(c)]
-    cpu0 = time.thread_time()
+    cpu0, ticks0 = time.thread_time(), thread_ticks()
     if profile:
         profile.enable()
     for t in threads:
@@ -105,7 +114,8 @@ async def run(front_port: int, requests: int, c: int, profile: cProfile.Profile 
     await asyncio.to_thread(lambda: [t.join() for t in threads])
     if profile:
         profile.disable()
-    return 1000 * (time.thread_time() - cpu0) / (requests // c * c), firsts
+    user, system = (b - a for a, b in zip(ticks0, thread_ticks()))
+    return 1000 * (time.thread_time() - cpu0) / (requests // c * c), firsts, system / max(user + system, 1)
 
 
 async def main_async(args: argparse.Namespace, uds: str) -> None:
@@ -134,11 +144,12 @@ async def main_async(args: argparse.Namespace, uds: str) -> None:
     port = front._served.sock.getsockname()[1]
     try:
         for c in args.concurrency:
-            await run(port, 50 * c, c, None)  # warm: connections to the front and the engine
+            await run(port, min(50 * c, args.requests), c, None)  # warm: connections to the front and the engine
             spent.clear()
-            ms, firsts = await run(port, args.requests, c, None)
+            ms, firsts, kernel = await run(port, args.requests, c, None)
             print(f"concurrency {c}: {ms:.3f} ms of the loop's CPU per request ({args.requests} requests, "
-                  f"{args.tokens} SSE events each); first byte p50 {1000 * statistics.median(firsts):.2f} ms" +
+                  f"{args.tokens} SSE events each, {100 * kernel:.0f} % of it in the kernel); first byte p50 "
+                  f"{1000 * statistics.median(firsts):.2f} ms" +
                   (f"; app entry to first body byte p50 {1000 * statistics.median(spent):.3f} ms CPU" if c == 1 else ""))
             if args.profile:
                 prof = cProfile.Profile(time.thread_time)  # CPU, not wall: a thread a write wakes may take the core
