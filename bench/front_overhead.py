@@ -207,6 +207,9 @@ def main() -> None:
     ap.add_argument("--burn", type=float, nargs=2, metavar=("REQUEST_US", "EVENT_US"),
                     help="a third path: the front spending that much extra CPU per request and per streamed read "
                     "(bench/front_burn_site.py): what the daemon's CPU costs the client")
+    ap.add_argument("--burn-site", type=Path, default=Path(__file__).resolve().parent / "front_burn_site.py",
+                    help="the daemon's sitecustomize for the burn path (bench/front_lean_site.py: a minimal engine "
+                    "reader instead of aiohttp, with --burn 0 0)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="exl3b-", dir="/tmp") as tmp:
         env = isolated_env(Path(tmp))
@@ -214,7 +217,7 @@ def main() -> None:
         if args.burn:
             site = Path(tmp) / "burnsite"
             site.mkdir()
-            shutil.copy(Path(__file__).resolve().parent / "front_burn_site.py", site / "sitecustomize.py")
+            shutil.copy(args.burn_site, site / "sitecustomize.py")
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
             burn_flag = Path(tmp) / "burning"
             env.update(FRONT_BURN_FLAG=str(burn_flag), FRONT_BURN_REQUEST_US=str(args.burn[0]),
