@@ -85,6 +85,21 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
+def paired(path: list[dict], baseline: list[dict]) -> tuple[tuple, tuple]:
+    """Paired per round, `path` against `baseline`: TTFT difference (ms) and decode ratio of the rounds' medians,
+    each as (median, 95% low, 95% high)."""
+    pairs = list(zip(path, baseline, strict=True))
+    diff = [1000 * (statistics.median(r[0] for r in p["rows"]) - statistics.median(r[0] for r in b["rows"]))
+            for p, b in pairs]
+    ratio = [statistics.median(r[1] for r in p["rows"]) / statistics.median(r[1] for r in b["rows"]) for p, b in pairs]
+    return (statistics.median(diff), *ci95(diff)), (statistics.median(ratio), *ci95(ratio))
+
+
+def busy_cpu_s(rounds: list[dict], idle_rate: float) -> float:
+    """The daemon's CPU seconds over `rounds` beyond its idle rate (CPU s per wall s)."""
+    return sum(c["cpu_s"] for c in rounds) - idle_rate * sum(c["wall_s"] for c in rounds)
+
+
 def summary(cells: dict[str, list[dict]]) -> dict:
     """Per path: TTFT and decode quartiles over requests; paired per round: TTFT difference and decode ratio
     (medians with 95% intervals); the daemon's CPU per request through the front."""
@@ -99,29 +114,16 @@ def summary(cells: dict[str, list[dict]]) -> dict:
                      # with i through the front and not straight to the engine (session 8's c=8 hypothesis)
                      "ttft_ms_by_start": [1000 * statistics.median(c["rows"][i][0] for c in rounds)
                                           for i in range(len(rounds[0]["rows"]))]}
-    pairs = list(zip(cells["front"], cells["direct"], strict=True))
-    diff = [1000 * (statistics.median(r[0] for r in f["rows"]) - statistics.median(r[0] for r in d["rows"]))
-            for f, d in pairs]
-    ratio = [statistics.median(r[1] for r in f["rows"]) / statistics.median(r[1] for r in d["rows"]) for f, d in pairs]
-    out["ttft_diff_ms"] = (statistics.median(diff), *ci95(diff))
-    out["decode_ratio"] = (statistics.median(ratio), *ci95(ratio))
+    out["ttft_diff_ms"], out["decode_ratio"] = paired(cells["front"], cells["direct"])
     idle_rate = sum(c["cpu_s"] for c in cells["direct"]) / sum(c["wall_s"] for c in cells["direct"])
-    front = cells["front"]
-    busy = sum(c["cpu_s"] for c in front) - idle_rate * sum(c["wall_s"] for c in front)
+    busy = busy_cpu_s(cells["front"], idle_rate)
     out["cpu_ms_per_request"] = 1000 * busy / out["front"]["requests"]
     # vLLM sends fewer, fuller SSE events when its API server lags (load): per event compares across runs
     out["cpu_ms_per_event"] = 1000 * busy / out["front"]["events"]
     out["idle_cpu_ms_per_s"] = 1000 * idle_rate
-    if "burn" in cells:  # the front with extra CPU against the plain front, paired per round as above
-        pairs = list(zip(cells["burn"], cells["front"], strict=True))
-        diff = [1000 * (statistics.median(r[0] for r in b["rows"]) - statistics.median(r[0] for r in f["rows"]))
-                for b, f in pairs]
-        ratio = [statistics.median(r[1] for r in b["rows"]) / statistics.median(r[1] for r in f["rows"])
-                 for b, f in pairs]
-        out["burn_ttft_diff_ms"] = (statistics.median(diff), *ci95(diff))
-        out["burn_decode_ratio"] = (statistics.median(ratio), *ci95(ratio))
-        burnt = sum(c["cpu_s"] for c in cells["burn"]) - idle_rate * sum(c["wall_s"] for c in cells["burn"])
-        out["burn_cpu_ms_per_request"] = 1000 * burnt / out["burn"]["requests"]
+    if "burn" in cells:  # the front with extra CPU against the plain front
+        out["burn_ttft_diff_ms"], out["burn_decode_ratio"] = paired(cells["burn"], cells["front"])
+        out["burn_cpu_ms_per_request"] = 1000 * busy_cpu_s(cells["burn"], idle_rate) / out["burn"]["requests"]
     return out
 
 
