@@ -27,7 +27,7 @@ from exl3local.kernels.bound_reconstruct import ReconstructLaunch
 from exl3local.kernels.launcher import DirectLaunch, Workspace, launch_mode
 from exl3local.kernels.selftest import one_launch_refusal
 from exl3local.kernels.triton_decode import rate_constants, words
-from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel
+from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, SPLIT_LOADS, exl3_fused_kernel
 from exl3local.kernels.triton_gemv import (
     FMA_ONE_ROW_BITS, TILE_ROWS, TILED_PROGRAMS_PER_CORE, choose_splits, exl3_gemv_ring_kernel, ring_config, ring_dot_config,
     tiled_config,
@@ -105,7 +105,7 @@ class FusedLaunch:
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
                                 SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0, PAIRS=False,
                                 FLAT=True, GROUPED=False, x_ptr=svh, suh_ptr=suh, stride_xm=0, k_valid=self.size_k,
-                                x_div=1, IN_X=False, GLU=False)
+                                x_div=1, IN_X=False, GLU=False, SL=SPLIT_LOADS)
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)

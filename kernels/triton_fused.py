@@ -42,6 +42,12 @@ FUSED_BLOCK_N_TILES = 8  # 128 output columns per program: one Hadamard block, s
 # Ints that change from call to call: never specialised on (a compiled kernel serves every row count).
 VARYING_ARGS = ["M", "stride_ym", "stride_zs"]
 EPILOGUE_ROWS = tl.constexpr(4)
+# Split partials the finishing program loads before it adds them (in split order, so the sum's bits do not change):
+# one at a time, each load waited for its L2 round trip before the next was issued, a serial tail of `splits` round
+# trips per 4 rows at the end of every split-K launch. H200 graph steps, 4 vs 1 (h200-s13a, docs/PERF.md "Session
+# 13"): 27B (its splits unchanged) 17.51 -> 17.30 / 17.86 -> 17.68 / 20.41 -> 19.80 ms at M = 1 / 4 / 16; 35B-A3B
+# with the split floor 3.84 -> 3.49 / 5.73 -> 5.42 / 14.92 -> 13.74. 2 and 8 unmeasured; Arc unmeasured.
+SPLIT_LOADS = 4
 
 
 @triton.jit
@@ -59,11 +65,12 @@ def had128_rows(v, BM: tl.constexpr):
 @triton.jit
 def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bias_ptr, y_ptr, stride_ym, n_out,
                  HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, RING: tl.constexpr, map_ptr=None, map_mul=1, map_add=0,
-                 ROWMAP: tl.constexpr = False):
+                 ROWMAP: tl.constexpr = False, SL: tl.constexpr = SPLIT_LOADS):
     """y rows [row0, row0 + rows) of the 128-column block at col0 from the stored split partials (columns in
     ring order if RING, else natural), EPILOGUE_ROWS at a time (a whole 16-row tile at once needed ~100
-    registers and set the kernel's occupancy). ROWMAP: the rows are positions into map_ptr, and position r's
-    partials and output are at row map[r]·map_mul + map_add (a grouped MoE tile's expert-sorted units)."""
+    registers and set the kernel's occupancy), SL splits' partials loaded per step of the sum. ROWMAP: the rows are
+    positions into map_ptr, and position r's partials and output are at row map[r]·map_mul + map_add (a grouped MoE
+    tile's expert-sorted units)."""
     c = tl.arange(0, 128)
     if RING:
         cols = col0 + ring_cols(c)
@@ -79,8 +86,13 @@ def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bi
             r = tl.load(map_ptr + r, mask=r < row0 + rows, other=0).to(tl.int64) * map_mul + map_add
         z_offs = r.to(tl.int64)[:, None] * size_n + (col0 + c)[None, :]
         acc = tl.load(z_ptr + z_offs, mask=mask, other=0.0, cache_modifier=".cg")
-        for sp in range(1, splits):
-            acc += tl.load(z_ptr + sp * stride_zs + z_offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for sp0 in range(1, splits, SL):
+            for i in tl.static_range(SL):  # unrolled: the SL loads are independent, so they are in flight together
+                sp = sp0 + i
+                # per row, not a scalar: the interpreter refuses a scalar bool and'ed into a block mask
+                live = (tl.arange(0, EPILOGUE_ROWS) * 0 + sp < splits)[:, None]
+                z = tl.load(z_ptr + sp * stride_zs + z_offs, mask=mask & live, other=0.0, cache_modifier=".cg")
+                acc = tl.where(live, acc + z, acc)
         y = had128_rows(acc, EPILOGUE_ROWS) * SCALE * svh
         if HAS_BIAS:
             y += bias
@@ -125,7 +137,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                       CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0,
                       PAIRS: tl.constexpr = False, FLAT: tl.constexpr = True, GROUPED: tl.constexpr = False,
-                      IN_X: tl.constexpr = False, GLU: tl.constexpr = False):
+                      IN_X: tl.constexpr = False, GLU: tl.constexpr = False, SL: tl.constexpr = SPLIT_LOADS):
     """y = H(u·Ŵ)⊙svh (+ bias) for BM rows of u (MoE: one unit in row 0) × 128 columns, one K split.
     u is (M, k) fp16, contiguous; y keeps the first n_out columns, rows stride_ym apart (a part of a fused
     layer writes its slice of the layer's output in place).
@@ -190,7 +202,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         if finish:
             finish_block(z_ptr + part_cols, stride_zs, splits, pid_m * BM, tl.minimum(M - pid_m * BM, BM), size_n,
                          local_n * 128, svh_ptr + part_cols, bias_ptr + y_col, y_ptr + y_col, stride_ym,
-                         tl.load(row + 3), HAS_BIAS, SCALE, True)
+                         tl.load(row + 3), HAS_BIAS, SCALE, True, SL=SL)
         return
     steps = steps_per_split
     part = 0
@@ -250,7 +262,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
             tl.store(lock, 0)
             global_fence(cnt_ptr, M)  # as above
             finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, pid_n * 128, svh_base, bias_base, y_ptr,
-                         stride_ym, n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED)
+                         stride_ym, n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED, SL)
     else:
         finish_block(z_ptr, stride_zs, 1, row0, rows, size_n, pid_n * 128, svh_base, bias_base, y_ptr, stride_ym,
-                     n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED)
+                     n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED, SL)

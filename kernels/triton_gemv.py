@@ -42,6 +42,13 @@ SPLIT_TARGET_PROGRAMS_PER_CORE = 4.5
 # program is 4 of them (16-wide sub-groups), so 16 programs fill a core (8 once IGC recompiles with the large
 # register file); 4.5 left it about a quarter occupied.
 XPU_PROGRAMS_PER_CORE = 16.0
+# ...but every split keeps at least this many K steps: the finishing program sums the splits' partials one load after
+# another, so splits of 1-4 steps (35B-A3B's narrow groups: shared_gate_up, 8 column blocks, took 128 splits of one
+# step; out_proj/o_proj 64 of 4) cost more in that serial tail than their parallelism gains. No 27B group is affected
+# (its fewest steps per split are 24). H200, 35B-A3B graph step at M = 1 / 4 / 16 (h200-s13a, one partial load at a
+# time): 4.51 / 6.43 / 18.60 ms without a floor, 3.84 / 5.73 / 14.92 with 8; with 4 and 16 (and SPLIT_LOADS) 4 lost
+# at 16 rows and 16 at 1-4 rows (docs/PERF.md "Session 13"). Arc unmeasured.
+MIN_STEPS_PER_SPLIT = 8
 # Ring dot (BNT, KT, warps) per super-lane width G (1: K=4,8; 2: K=2,6; 4: K=1,3,5,7; 8: half rates): KT·BNT·32/G
 # decoded weights per position must cover the threads, or the decode is replicated (G=4 at KT=1 ran 2x
 # slower). Best measured at 16 rows on the H200 (h200-v3b-sweep.log); G=8 is an unmeasured extrapolation.
@@ -92,12 +99,13 @@ def compute_units(device: torch.device) -> int:
 
 def choose_splits(blocks: int, k_steps: int, device: torch.device, per_core: float | None = None) -> int:
     """Smallest power-of-two split of the K loop (dividing k_steps) that reaches per_core programs per unit
-    (default: SPLIT_TARGET_PROGRAMS_PER_CORE, XPU_PROGRAMS_PER_CORE on XPU)."""
+    (default: SPLIT_TARGET_PROGRAMS_PER_CORE, XPU_PROGRAMS_PER_CORE on XPU), or the largest that leaves every split
+    MIN_STEPS_PER_SPLIT steps."""
     if per_core is None:
         per_core = XPU_PROGRAMS_PER_CORE if device.type == "xpu" else SPLIT_TARGET_PROGRAMS_PER_CORE
     target = per_core * compute_units(device)
     splits = 1
-    while blocks * splits < target and k_steps % (splits * 2) == 0:
+    while blocks * splits < target and k_steps % (splits * 2) == 0 and k_steps // (splits * 2) >= MIN_STEPS_PER_SPLIT:
         splits *= 2
     return splits
 

@@ -133,7 +133,7 @@ def main() -> None:
     # (ids, splits, grouped parts, word loads, MoE tiles, 64-row tiles) does not depend on the rate's decode, so every
     # pair need not compile: all pairs were 30 fused compiles, two thirds of each target's time.
     served = dict(HAS_IDS=False, HAS_BIAS=True, SPLIT=True, SCALE=HADAMARD_SCALE, BM=16, PARTS=0, PAIRS=False,
-                  FLAT=True, GROUPED=False, IN_X=False, GLU=False)
+                  FLAT=True, GROUPED=False, IN_X=False, GLU=False, SL=triton_fused.SPLIT_LOADS)
     variants = {  # rate: what differs from `served`
         ("mul1", 4): [dict(PARTS=3),  # grouped q/k/v parts
                       dict(IN_X=True), dict(IN_X=True, PARTS=3),  # decode rows in one launch: u from x in the program

@@ -57,6 +57,25 @@ def test_replan_rebinds_a_changed_split_count(make_layer, emulate, relative_erro
     assert counters_clear()
 
 
+def test_split_partials_loaded_several_at_a_time_give_the_same_bits(make_layer, emulate, relative_error,
+                                                                     kernel_device):
+    """The finishing program loads SL splits' partials per step of its sum (triton_fused.SPLIT_LOADS) and adds them
+    in split order: the same bits as one at a time, for split counts below, at and past a multiple of SL."""
+    trellis, suh, svh = make_layer(256, 128, 4, "mul1", seed=12)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(12)).to(kernel_device)
+    for splits in (2, 8):
+        outs = []
+        for loads in (1, 3, 4):
+            launch = FusedLaunch(trellis, suh, svh, 4, "mul1")
+            launch.splits[1] = (splits, launch.k_steps // splits)
+            launch.fused_fixed["SL"] = loads
+            outs.append(torch.empty(3, 128, device=kernel_device))
+            launch.launch(x, outs[-1], 3)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        assert relative_error(outs[0], emulate(x, trellis, suh, svh, 4, "mul1")) < FP32_NOISE
+    assert counters_clear()
+
+
 @pytest.mark.parametrize("codebook,bits", [("mcg", 3), ("mul1", 8)])
 def test_flat_and_shaped_word_loads_give_the_same_bits(make_layer, kernel_device, codebook, bits):
     """The trellis words loaded through flat indices (lane-linear, the default) or as [KT, BNT, 32/G] tensors
@@ -288,17 +307,6 @@ def test_very_wide_fused_layers_keep_a_launch_pair_per_part(kernel_device):
 
     assert isinstance(layer(GROUP_MAX_BLOCKS * 64).launches[0][0], GroupLaunch)
     assert len(layer(GROUP_MAX_BLOCKS * 64 + 128).launches) == 2
-
-
-def test_split_k_fills_an_xe2_core_with_sixteen_programs(monkeypatch):
-    """The split-K target per compute unit: 4.5 programs on CUDA (measured on the H200), 16 on XPU (an Xe2 core's
-    64 hardware threads, 4 per program; Arc review #8)."""
-    from exl3local.kernels import triton_gemv
-
-    monkeypatch.setattr(triton_gemv, "compute_units", lambda device: 32)  # a B70's Xe cores
-    assert triton_gemv.choose_splits(136, 320, torch.device("cuda")) == 2  # 272 programs >= 4.5 x 32
-    assert triton_gemv.choose_splits(136, 320, torch.device("xpu")) == 4  # 544 >= 16 x 32
-    assert triton_gemv.choose_splits(136, 320, torch.device("xpu"), per_core=2) == 1
 
 
 @pytest.mark.parametrize("rows", [2, 20])  # the fused launch; the reconstruct path above the bound rows

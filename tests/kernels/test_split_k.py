@@ -1,0 +1,31 @@
+"""How many K splits a split-K launch takes (kernels/triton_gemv.choose_splits): pure arithmetic, no kernel runs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_split_k_fills_an_xe2_core_with_sixteen_programs(monkeypatch):
+    """The split-K target per compute unit: 4.5 programs on CUDA (measured on the H200), 16 on XPU (an Xe2 core's
+    64 hardware threads, 4 per program; Arc review #8)."""
+    from exl3local.kernels import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "compute_units", lambda device: 32)  # a B70's Xe cores
+    assert triton_gemv.choose_splits(136, 320, torch.device("cuda")) == 2  # 272 programs >= 4.5 x 32
+    assert triton_gemv.choose_splits(136, 320, torch.device("xpu")) == 4  # 544 >= 16 x 32
+    assert triton_gemv.choose_splits(136, 320, torch.device("xpu"), per_core=2) == 1
+
+
+def test_split_k_leaves_every_split_its_minimum_of_k_steps(monkeypatch):
+    """Narrow groups stop splitting where a split would get fewer than MIN_STEPS_PER_SPLIT K steps (the finishing
+    sum's serial tail), wide ones split as before (H200: 132 SMs)."""
+    from exl3local.kernels import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "compute_units", lambda device: 132)
+    floor = triton_gemv.MIN_STEPS_PER_SPLIT
+    assert floor > 1
+    cuda = torch.device("cuda")
+    assert triton_gemv.choose_splits(8, 128, cuda) == 128 // floor  # 35B-A3B shared_gate_up: was 128 splits of 1
+    assert triton_gemv.choose_splits(16, 32, cuda) == 32 // floor  # 35B-A3B shared_down: was 32 of 1
+    assert triton_gemv.choose_splits(40, 384, cuda) == 16  # 27B out_proj: 24 steps each, as before
+    assert triton_gemv.choose_splits(136, 320, cuda) == 8  # 27B gate_up (a part): 40 steps each, as before
