@@ -8,6 +8,9 @@
 #     models at M = 64, 32, 128 with and without it (bench/model_step.py --tiled 128).
 #   PLAN=step: every row count, ours + exllamav3's default, then exllamav3 with EXL3_INT8_GEMV=0 in a second
 #     process (it reads the variable once per process).
+#   PLAN=variants (session 13): the GPU tests (+ test_selftest, test_split_k); bench/one_launch.py --variants: whole
+#     steps and per-group graph µs of both models at ROWS (default 4,1,16) with the split-K floor and the split loads
+#     as served, as before (1:1) and in between (VARIANTS), and exllamav3 per group.
 #   PLAN=moe: the GPU tests; 35B steps with the MoE over expert-sorted tiles vs one unit per program (--units) vs
 #     exllamav3 at ROWS (default 64,512,16,4096,4); then the 27B decode configs (bench/layers.py config, M = 1, 4).
 set -u
@@ -27,6 +30,14 @@ if [ "${PLAN:-tiled}" = tiled ]; then
   echo "layers done at +$(( $(date +%s) - start )) s"
   run model_step.py --tiled 128 --tag model_step_tiled --rows ${ROWS:-64,32,128} --deadline $(( start + ${TOTAL_SECONDS:-540} )) 2>&1 \
     | tee "$OUT/model_step_tiled.log" | grep -v '^{'
+elif [ "$PLAN" = variants ]; then
+  ln -sfn "$REPO/plugin" /tmp/shim/exl3local/plugin  # test_bound's reload test imports the plugin
+  TEST_SECONDS=${TEST_SECONDS:-330} tests ${TESTS:-"$REPO"/tests/kernels/test_triton_gpu.py \
+    "$REPO"/tests/kernels/test_bound.py "$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_selftest.py \
+    "$REPO"/tests/kernels/test_split_k.py}
+  run one_launch.py --variants ${VARIANTS:-1:1,1:4,8:1,4:4,16:4} --models 35b-a3b,27b --rows ${ROWS:-4,1,16} \
+    --tag one_launch_variants --deadline $(( start + ${TOTAL_SECONDS:-570} )) 2>&1 \
+    | tee "$OUT/one_launch_variants.log" | grep -v '^{'
 elif [ "$PLAN" = moe ]; then
   tests ${TESTS:-"$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_bound.py \
     "$REPO"/tests/kernels/test_triton_gpu.py}

@@ -4,8 +4,13 @@ launches, host µs per step), plus how far the one-launch outputs are from the t
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
 bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
 in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
+--variants S:L,..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT = S (each
+split-K split keeps at least S K steps) and triton_fused's SL = L (split partials loaded per step of the finishing
+sum), then the served values re-timed (again); and per projection group (every layer's calls of one name:
+in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each chose.
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
+    python3 -P bench/one_launch.py --variants 1:1,1:4,8:1 --rows 4,1,16 --out $OUT    # split-K A/B + groups
 """
 
 from __future__ import annotations
@@ -14,16 +19,18 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from exl3_side import Exl3Side  # noqa: E402
-from model_step import build, patched_step, step_fns  # noqa: E402
-from step_timing import log, measure  # noqa: E402
+from model_step import build, layer_ops, patched_step, runner, step_fns  # noqa: E402
+from step_timing import graph_us, log, measure  # noqa: E402
 
-from exl3local.kernels import bound  # noqa: E402
+from exl3local.kernels import bound, triton_gemv  # noqa: E402
+from exl3local.kernels.triton_fused import SPLIT_LOADS  # noqa: E402
 
 
 def two_launch(step):
@@ -77,6 +84,87 @@ def difference(layers, rows: int) -> dict:
     return out
 
 
+def launches_of(layers):
+    """Every bound launch of the model: each linear's group or parts, each MoE layer's two projections."""
+    for ops in layers:
+        for kind, obj, _ in ops:
+            yield from ([launch for launch, _, _ in obj.ours.launches] if kind == "linear" else obj.ours.bound)
+
+
+def configure(layers, steps: int, loads: int) -> tuple[int, int]:
+    """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum), and
+    forget every launch's splits and plans (chosen again on the next call, outside any timing: measure and graph_us
+    warm up first). Returns the values it replaced."""
+    old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).fused_fixed["SL"]
+    triton_gemv.MIN_STEPS_PER_SPLIT = steps
+    for launch in launches_of(layers):
+        launch.fused_fixed["SL"] = launch.tiled_fixed["SL"] = loads
+        launch.splits.clear()
+        launch.replan()
+    return old
+
+
+def splits_chosen(cfg, layers) -> dict:
+    """{group name: {row blocks (units): splits}} of the first layer holding each name, as the last calls chose."""
+    out = {}
+    for i, ops in enumerate(layers):
+        for (kind, obj, _), op in zip(ops, layer_ops(cfg, i)):
+            launches = [launch for launch, _, _ in obj.ours.launches] if kind == "linear" else obj.ours.bound
+            out.setdefault(op[1], [{m: s for m, (s, _) in launch.splits.items()} for launch in launches])
+    return out
+
+
+def by_group(cfg, layers, step) -> dict:
+    """{group name: a runner of every layer's calls of that name}, from a step runner's ops (layer order)."""
+    names = [op[1] for i in range(len(layers)) for op in layer_ops(cfg, i)]
+    return {name: runner([fn for fn, n in zip(step.ops, names) if n == name]) for name in dict.fromkeys(names)}
+
+
+def variants_ab(cfg, layers, rows: int, variants: list[tuple[int, int]], exl3_ok: bool) -> dict:
+    """Whole steps and per-group graph µs at each (split floor, split loads) variant, the served one first and again
+    last; exllamav3 per group."""
+    ours, theirs, _ = step_fns(cfg, layers, rows)
+    served = triton_gemv.MIN_STEPS_PER_SPLIT, SPLIT_LOADS
+    row, groups, chosen = {}, {}, {}
+    tags = [(f"served_m{served[0]}_l{served[1]}", served)] + [(f"m{m}_l{sl}", (m, sl)) for m, sl in variants]
+    for tag, (steps, loads) in tags + [("again", served)]:
+        old = configure(layers, steps, loads)
+        try:
+            ours()
+            chosen[tag] = splits_chosen(cfg, layers)
+            if tag not in (tags[0][0], "again") and loads == served[1] and chosen[tag] == chosen[tags[0][0]]:
+                row[tag] = "the served launches"  # the same splits and loads: nothing to time
+                continue
+            row[tag] = measure(ours, rows, True)
+            for name, fn in by_group(cfg, layers, ours).items():
+                groups.setdefault(name, {})[tag] = round(graph_us(fn), 1)
+        finally:
+            configure(layers, *old)
+    if exl3_ok:
+        for name, fn in by_group(cfg, layers, theirs).items():
+            groups[name]["exl3"] = round(graph_us(fn), 1)
+    row["groups"], row["splits"] = groups, chosen
+    return row
+
+
+def report(row: dict) -> None:
+    """The split-floor A/B of one (model, rows) as a table: step eager / graph ms per variant, group graph µs."""
+    tags = [t for t, d in row.items() if t != "exl3" and isinstance(d, dict) and "eager_us" in d]
+    exl3 = row.get("exl3", {})
+    log(f"== {row['model']} M={row['rows']}: step eager / graph ms (ratio exl3/ours graph) ==")
+    for tag in tags:
+        d = row[tag]
+        ratio = f"{exl3['graph_us'] / d['graph_us']:.3f}" if "graph_us" in exl3 and "graph_us" in d else "-"
+        log(f"  {tag:12s} {d['eager_us'] / 1e3:7.2f} / {d.get('graph_us', float('nan')) / 1e3:6.2f}  ({ratio})  "
+            f"launches {d.get('launches')}")
+    if exl3:
+        log(f"  {'exl3':12s} {exl3['eager_us'] / 1e3:7.2f} / {exl3.get('graph_us', float('nan')) / 1e3:6.2f}")
+    cols = tags + (["exl3"] if any("exl3" in g for g in row["groups"].values()) else [])
+    log("  group µs/step: " + " ".join(f"{c:>10s}" for c in cols))
+    for name, g in row["groups"].items():
+        log(f"  {name:14s} " + " ".join(f"{g.get(c, float('nan')):10.1f}" for c in cols))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="27b,35b-a3b")
@@ -84,6 +172,9 @@ def main() -> int:
     parser.add_argument("--no-exl3", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tag", default="one_launch")
+    parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
+    parser.add_argument("--variants", default="", help="STEPS:LOADS,...: split floors and split loads to A/B against "
+                        "the served ones (e.g. 1:1,1:4,8:1)")
     args = parser.parse_args()
     exl3 = None if args.no_exl3 else Exl3Side()
     results = []
@@ -91,7 +182,20 @@ def main() -> int:
         built = {name: build(name, 4, "mul1", exl3) for name in args.models.split(",")}
         for rows in [int(r) for r in args.rows.split(",")]:
             for name, (cfg, layers) in built.items():
+                if args.deadline and time.time() > args.deadline:
+                    log(f"(skipping {name} M={rows}: past the deadline)")
+                    continue
                 ours, theirs, _ = step_fns(cfg, layers, rows)
+                if args.variants:
+                    row = dict(model=name, rows=rows, **variants_ab(
+                        cfg, layers, rows, [tuple(map(int, v.split(":"))) for v in args.variants.split(",")],
+                        exl3 is not None and exl3.error is None))
+                    if exl3 is not None and exl3.error is None:
+                        row["exl3"] = measure(theirs, rows, True)
+                    results.append(row)
+                    log(json.dumps(row))
+                    report(row)
+                    continue
                 row = dict(model=name, rows=rows, difference=difference(layers, rows))
                 row["two"] = measure(two_launch(ours), rows, True)
                 row["one"] = measure(ours, rows, True)
