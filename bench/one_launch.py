@@ -4,9 +4,9 @@ launches, host µs per step), plus how far the one-launch outputs are from the t
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
 bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
 in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
---variants S:L,..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT = S (each
-split-K split keeps at least S K steps) and triton_fused's SL = L (split partials loaded per step of the finishing
-sum), then the served values re-timed (again); and per projection group (every layer's calls of one name:
+--variants S:L[:E],..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT = S (each
+split-K split keeps at least S K steps), triton_fused's SL = L (split partials loaded per step of the finishing sum)
+and the MoE projections' splits times 2**E, then the served values re-timed (again); and per projection group (every layer's calls of one name:
 in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each chose.
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
@@ -84,6 +84,9 @@ def difference(layers, rows: int) -> dict:
     return out
 
 
+MOE_SHIFT = [0]  # the MoE splits' scale (a power of two) configure() set last
+
+
 def launches_of(layers):
     """Every bound launch of the model: each linear's group or parts, each MoE layer's two projections."""
     for ops in layers:
@@ -91,17 +94,36 @@ def launches_of(layers):
             yield from ([launch for launch, _, _ in obj.ours.launches] if kind == "linear" else obj.ours.bound)
 
 
-def configure(layers, steps: int, loads: int) -> tuple[int, int]:
-    """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum), and
-    forget every launch's splits and plans (chosen again on the next call, outside any timing: measure and graph_us
-    warm up first). Returns the values it replaced."""
-    old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).fused_fixed["SL"]
+def configure(layers, steps: int, loads: int, moe_shift: int = 0) -> tuple[int, int, int]:
+    """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum), scale
+    the MoE projections' splits by 2**moe_shift (as far as the K steps divide), and forget every launch's splits and
+    plans (chosen again on the next call, outside any timing: measure and graph_us warm up first). Returns the
+    values it replaced."""
+    old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).fused_fixed["SL"], MOE_SHIFT[0]
     triton_gemv.MIN_STEPS_PER_SPLIT = steps
     for launch in launches_of(layers):
         launch.fused_fixed["SL"] = launch.tiled_fixed["SL"] = loads
         launch.splits.clear()
         launch.replan()
+    for ops in layers:
+        for kind, obj, _ in ops:
+            for launch in (obj.ours.bound if kind == "moe" else ()):
+                launch.__dict__.pop("split_for", None)
+                if moe_shift:
+                    launch.split_for = shifted_splits(launch, moe_shift)
+    MOE_SHIFT[0] = moe_shift
     return old
+
+
+def shifted_splits(launch, shift: int):
+    """launch's split_for with its split count times 2**shift (at least 1, dividing its K steps)."""
+    def split_for(m_blocks: int) -> tuple[int, int]:
+        splits = type(launch).split_for(launch, m_blocks)[0]
+        splits = max(1, splits << shift if shift > 0 else splits >> -shift)
+        while launch.k_steps % splits:
+            splits //= 2
+        return splits, launch.k_steps // splits
+    return split_for
 
 
 def splits_chosen(cfg, layers) -> dict:
@@ -110,7 +132,7 @@ def splits_chosen(cfg, layers) -> dict:
     for i, ops in enumerate(layers):
         for (kind, obj, _), op in zip(ops, layer_ops(cfg, i)):
             launches = [launch for launch, _, _ in obj.ours.launches] if kind == "linear" else obj.ours.bound
-            out.setdefault(op[1], [{m: s for m, (s, _) in launch.splits.items()} for launch in launches])
+            out.setdefault(op[1], [{m: launch.split_for(m)[0] for m in launch.splits} for launch in launches])
     return out
 
 
@@ -120,15 +142,16 @@ def by_group(cfg, layers, step) -> dict:
     return {name: runner([fn for fn, n in zip(step.ops, names) if n == name]) for name in dict.fromkeys(names)}
 
 
-def variants_ab(cfg, layers, rows: int, variants: list[tuple[int, int]], exl3_ok: bool) -> dict:
-    """Whole steps and per-group graph µs at each (split floor, split loads) variant, the served one first and again
-    last; exllamav3 per group."""
+def variants_ab(cfg, layers, rows: int, variants: list[tuple[int, ...]], exl3_ok: bool) -> dict:
+    """Whole steps and per-group graph µs at each (split floor, split loads[, MoE split shift]) variant, the served
+    one first and again last; exllamav3 per group."""
     ours, theirs, _ = step_fns(cfg, layers, rows)
-    served = triton_gemv.MIN_STEPS_PER_SPLIT, SPLIT_LOADS
+    served = triton_gemv.MIN_STEPS_PER_SPLIT, SPLIT_LOADS, 0
     row, groups, chosen = {}, {}, {}
-    tags = [(f"served_m{served[0]}_l{served[1]}", served)] + [(f"m{m}_l{sl}", (m, sl)) for m, sl in variants]
-    for tag, (steps, loads) in tags + [("again", served)]:
-        old = configure(layers, steps, loads)
+    tags = [(f"served_m{served[0]}_l{served[1]}", served)] + [
+        (f"m{v[0]}_l{v[1]}" + (f"_e{v[2]:+d}" if len(v) > 2 else ""), (*v, 0)[:3]) for v in variants]
+    for tag, (steps, loads, moe_shift) in tags + [("again", served)]:
+        old = configure(layers, steps, loads, moe_shift)
         try:
             ours()
             chosen[tag] = splits_chosen(cfg, layers)
@@ -173,8 +196,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tag", default="one_launch")
     parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
-    parser.add_argument("--variants", default="", help="STEPS:LOADS,...: split floors and split loads to A/B against "
-                        "the served ones (e.g. 1:1,1:4,8:1)")
+    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT],...: split floors, split loads and MoE "
+                        "splits x 2**SHIFT to A/B against the served ones (e.g. 1:1,1:4,8:1,8:4:1)")
     args = parser.parse_args()
     exl3 = None if args.no_exl3 else Exl3Side()
     results = []
