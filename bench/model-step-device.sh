@@ -31,7 +31,6 @@ if [ "${PLAN:-tiled}" = tiled ]; then
   run model_step.py --tiled 128 --tag model_step_tiled --rows ${ROWS:-64,32,128} --deadline $(( start + ${TOTAL_SECONDS:-540} )) 2>&1 \
     | tee "$OUT/model_step_tiled.log" | grep -v '^{'
 elif [ "$PLAN" = variants ]; then
-  ln -sfn "$REPO/plugin" /tmp/shim/exl3local/plugin  # test_bound's reload test imports the plugin
   TEST_SECONDS=${TEST_SECONDS:-330} tests ${TESTS:-"$REPO"/tests/kernels/test_triton_gpu.py \
     "$REPO"/tests/kernels/test_bound.py "$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_selftest.py \
     "$REPO"/tests/kernels/test_split_k.py}
