@@ -2,7 +2,8 @@
 # deps from the carried .whl (add platformdirs there for test_selftest's CPU-library tests: exl3local.paths
 # needs it and the device image lacks it), our package importable without an install (a shim maps
 # exl3local.kernels to ./kernels and exl3local.plugin to ./plugin, as the editable install does), the prebuilt
-# exllamav3 extension from .device-carry/ext if carried (../shared/device/README.md). Sets OUT, REPO, start; prints the GPU's clocks.
+# exllamav3 extension from .device-carry/ext if carried (../shared/device/README.md). Sets OUT, REPO, start;
+# prints the GPU's clocks.
 OUT=${OUT:-/tmp/bench-out}; mkdir -p "$OUT"
 REPO=$PWD
 start=$(date +%s)

@@ -6,8 +6,9 @@ bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_
 in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
 --variants S:L[:E],..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT = S (each
 split-K split keeps at least S K steps), triton_fused's SL = L (split partials loaded per step of the finishing sum)
-and the MoE projections' splits times 2**E, then the served values re-timed (again); and per projection group (every layer's calls of one name:
-in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each chose.
+and the MoE projections' splits times 2**E, then the served values re-timed (again); and per projection group (every
+layer's calls of one name: in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with
+the splits each chose.
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
     python3 -P bench/one_launch.py --variants 1:1,1:4,8:1 --rows 4,1,16 --out $OUT    # split-K A/B + groups
@@ -87,11 +88,16 @@ def difference(layers, rows: int) -> dict:
 MOE_SHIFT = [0]  # the MoE splits' scale (a power of two) configure() set last
 
 
+def op_launches(kind: str, obj) -> list:
+    """One op's bound launches: a linear's group or parts, an MoE layer's two projections."""
+    return [launch for launch, _, _ in obj.ours.launches] if kind == "linear" else obj.ours.bound
+
+
 def launches_of(layers):
-    """Every bound launch of the model: each linear's group or parts, each MoE layer's two projections."""
+    """Every bound launch of the model."""
     for ops in layers:
         for kind, obj, _ in ops:
-            yield from ([launch for launch, _, _ in obj.ours.launches] if kind == "linear" else obj.ours.bound)
+            yield from op_launches(kind, obj)
 
 
 def configure(layers, steps: int, loads: int, moe_shift: int = 0) -> tuple[int, int, int]:
@@ -131,8 +137,8 @@ def splits_chosen(cfg, layers) -> dict:
     out = {}
     for i, ops in enumerate(layers):
         for (kind, obj, _), op in zip(ops, layer_ops(cfg, i)):
-            launches = [launch for launch, _, _ in obj.ours.launches] if kind == "linear" else obj.ours.bound
-            out.setdefault(op[1], [{m: launch.split_for(m)[0] for m in launch.splits} for launch in launches])
+            out.setdefault(op[1], [{m: launch.split_for(m)[0] for m in launch.splits}
+                                   for launch in op_launches(kind, obj)])
     return out
 
 
