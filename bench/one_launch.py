@@ -5,10 +5,10 @@ Variants: two (two launches everywhere), one (the default: one launch where a gr
 bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
 in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
 --variants S:L[:E],..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT = S (each
-split-K split keeps at least S K steps), triton_fused's SL = L (split partials loaded per step of the finishing sum)
-and the MoE projections' splits times 2**E, then the served values re-timed (again); and per projection group (every
-layer's calls of one name: in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with
-the splits each chose.
+split-K split keeps at least S K steps), SL = L on every launch (split partials loaded per step of the finishing sum;
+0: triton_fused.split_loads by each launch's split count, as served) and the MoE projections' splits times 2**E, then
+the served values re-timed (again); and per projection group (every layer's calls of one name: in_proj_qkvz, ...,
+experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each chose.
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
     python3 -P bench/one_launch.py --variants 1:1,1:4,8:1 --rows 4,1,16 --out $OUT    # split-K A/B + groups
@@ -31,7 +31,6 @@ from model_step import build, layer_ops, patched_step, runner, step_fns  # noqa:
 from step_timing import graph_us, log, measure  # noqa: E402
 
 from exl3local.kernels import bound, triton_gemv  # noqa: E402
-from exl3local.kernels.triton_fused import SPLIT_LOADS  # noqa: E402
 
 
 def two_launch(step):
@@ -101,14 +100,14 @@ def launches_of(layers):
 
 
 def configure(layers, steps: int, loads: int, moe_shift: int = 0) -> tuple[int, int, int]:
-    """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum), scale
-    the MoE projections' splits by 2**moe_shift (as far as the K steps divide), and forget every launch's splits and
-    plans (chosen again on the next call, outside any timing: measure and graph_us warm up first). Returns the
-    values it replaced."""
-    old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).fused_fixed["SL"], MOE_SHIFT[0]
+    """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum; 0: by
+    split count), scale the MoE projections' splits by 2**moe_shift (as far as the K steps divide), and forget every
+    launch's splits and plans (chosen again on the next call, outside any timing: measure and graph_us warm up
+    first). Returns the values it replaced."""
+    old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).loads or 0, MOE_SHIFT[0]
     triton_gemv.MIN_STEPS_PER_SPLIT = steps
     for launch in launches_of(layers):
-        launch.fused_fixed["SL"] = launch.tiled_fixed["SL"] = loads
+        launch.loads = loads or None
         launch.splits.clear()
         launch.replan()
     for ops in layers:
@@ -152,7 +151,7 @@ def variants_ab(cfg, layers, rows: int, variants: list[tuple[int, ...]], exl3_ok
     """Whole steps and per-group graph µs at each (split floor, split loads[, MoE split shift]) variant, the served
     one first and again last; exllamav3 per group."""
     ours, theirs, _ = step_fns(cfg, layers, rows)
-    served = triton_gemv.MIN_STEPS_PER_SPLIT, SPLIT_LOADS, 0
+    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0
     row, groups, chosen = {}, {}, {}
     tags = [(f"served_m{served[0]}_l{served[1]}", served)] + [
         (f"m{v[0]}_l{v[1]}" + (f"_e{v[2]:+d}" if len(v) > 2 else ""), (*v, 0)[:3]) for v in variants]

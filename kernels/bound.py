@@ -27,7 +27,7 @@ from exl3local.kernels.bound_reconstruct import ReconstructLaunch
 from exl3local.kernels.launcher import DirectLaunch, Workspace, launch_mode
 from exl3local.kernels.selftest import one_launch_refusal
 from exl3local.kernels.triton_decode import rate_constants, words
-from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, SPLIT_LOADS, exl3_fused_kernel
+from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel, split_loads
 from exl3local.kernels.triton_gemv import (
     FMA_ONE_ROW_BITS, TILE_ROWS, TILED_PROGRAMS_PER_CORE, choose_splits, exl3_gemv_ring_kernel, ring_config, ring_dot_config,
     tiled_config,
@@ -105,7 +105,7 @@ class FusedLaunch:
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
                                 SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0, PAIRS=False,
                                 FLAT=True, GROUPED=False, x_ptr=svh, suh_ptr=suh, stride_xm=0, k_valid=self.size_k,
-                                x_div=1, IN_X=False, GLU=False, SL=SPLIT_LOADS)
+                                x_div=1, IN_X=False, GLU=False)
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
@@ -114,6 +114,11 @@ class FusedLaunch:
         self.splits: dict[int, tuple[int, int]] = {}
         self.tiled_splits: dict[int, tuple[int, int]] = {}
         self.plans: dict[tuple, tuple] = {}
+        self.loads: int | None = None  # SL forced on every split-K matmul (tests, the bench); None: split_loads
+
+    def loads_for(self, splits: int) -> int:
+        """SL of a matmul launch of `splits` K splits (triton_fused.split_loads unless self.loads forces one)."""
+        return self.loads or split_loads(splits)
 
     def split_for(self, m_blocks: int) -> tuple[int, int]:
         """(splits, K steps per split) of the dot kernel for m_blocks row blocks (units)."""
@@ -187,18 +192,20 @@ class FusedLaunch:
             needs = (needs[0], splits * rows * self.size_n, m_blocks * self.n_blocks)
             matmul = (self.fused, (self.n_blocks, splits, m_blocks),
                       dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs,
-                           HAS_IDS=False, GROUPED=True))
+                           HAS_IDS=False, GROUPED=True, SL=self.loads_for(splits)))
         elif rows > MAX_ROWS and not self.experts:
             blocks, splits, m_blocks = self.tiled_grid(rows)
             per_split = self.tiled_fixed["k_steps"] // splits
             matmul = (self.tiled, (blocks, splits, m_blocks),
-                      dict(self.tiled_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs))
+                      dict(self.tiled_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs,
+                           SL=self.loads_for(splits)))
         elif rows == 1 and self.fma is not None and not pairs:
             blocks, splits, block_nt = self.fma_split()
             matmul = (self.fma, (blocks, splits, 1),
                       dict(self.fma_fixed, n_out=n_out, tk_per_split=self.size_k // 16 // splits, BM=1, BNT=block_nt))
         else:
-            fixed = dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs)
+            fixed = dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs,
+                         SL=self.loads_for(splits))
             if one:  # the matmul programs transform x themselves (triton_fused IN_X)
                 return self._keep(key, (None, needs, None, self.one, (self.n_blocks, splits, m_blocks),
                                         dict(fixed, IN_X=True, k_valid=k_valid, x_div=x_div, GLU=glu)))

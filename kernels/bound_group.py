@@ -82,10 +82,11 @@ class GroupLaunch(FusedLaunch):
             blocks, splits, m_blocks = self.tiled_grid(rows)
             matmul = (self.tiled, (blocks, splits, m_blocks),
                       dict(self.tiled_fixed, n_out=0, steps_per_split=self.tiled_fixed["k_steps"] // splits,
-                           SPLIT=splits > 1))
+                           SPLIT=splits > 1, SL=self.loads_for(splits)))
         else:
             splits, per_split = self.split_for(1)
-            fixed = dict(self.fused_fixed, n_out=0, steps_per_split=per_split, SPLIT=splits > 1)
+            fixed = dict(self.fused_fixed, n_out=0, steps_per_split=per_split, SPLIT=splits > 1,
+                         SL=self.loads_for(splits))
             if one:  # the matmul programs transform x themselves (triton_fused IN_X), each part with its suh
                 return self._keep(key, (None, self.needs(rows), None, self.one, (self.n_blocks, splits, 1),
                                         dict(fixed, IN_X=True, k_valid=k_valid)))

@@ -46,8 +46,17 @@ EPILOGUE_ROWS = tl.constexpr(4)
 # one at a time, each load waited for its L2 round trip before the next was issued, a serial tail of `splits` round
 # trips per 4 rows at the end of every split-K launch. H200 graph steps, 4 vs 1 (h200-s13a, docs/PERF.md "Session
 # 13"): 27B (its splits unchanged) 17.51 -> 17.30 / 17.86 -> 17.68 / 20.41 -> 19.80 ms at M = 1 / 4 / 16; 35B-A3B
-# with the split floor 3.84 -> 3.49 / 5.73 -> 5.42 / 14.92 -> 13.74. 2 and 8 unmeasured; Arc unmeasured.
+# with the split floor 3.84 -> 3.49 / 5.73 -> 5.42 / 14.92 -> 13.74. Eight everywhere (h200-s13c): the 27B's 16-split
+# groups 9-10 % faster, the 35B-A3B's 4-8-split launches 0.9-2 % slower: so eight from MANY_SPLITS splits on.
+# Arc unmeasured (its split target, 16 programs per Xe core, gives more launches eight).
 SPLIT_LOADS = 4
+MANY_SPLITS = 16
+MANY_SPLIT_LOADS = 8
+
+
+def split_loads(splits: int) -> int:
+    """SL (split partials loaded per step of the finishing sum) for a launch of `splits` K splits."""
+    return MANY_SPLIT_LOADS if splits >= MANY_SPLITS else SPLIT_LOADS
 
 
 @triton.jit

@@ -139,7 +139,8 @@ def main() -> None:
                       dict(IN_X=True), dict(IN_X=True, PARTS=3),  # decode rows in one launch: u from x in the program
                       dict(IN_X=True, HAS_IDS=True, PAIRS=True), dict(IN_X=True, HAS_IDS=True, GLU=True),  # MoE units
                       dict(GROUPED=True, PAIRS=True),  # MoE over expert-sorted tiles: gate/up pairs
-                      dict(BM=triton_gemv.TILE_ROWS, PARTS=3)],  # the tiled path (more than 16 rows), grouped
+                      dict(BM=triton_gemv.TILE_ROWS, PARTS=3),  # the tiled path (more than 16 rows), grouped
+                      dict(SL=triton_fused.MANY_SPLIT_LOADS)],  # launches of many splits: more partials per step
         ("3inst", 2): [dict(SPLIT=False)],
         ("mcg", 3): [dict(FLAT=False),  # words as [KT, BNT, 32/G] loads, at a rate whose super-lanes span 3 words
                      dict(GROUPED=True)],  # MoE tiles: down

@@ -59,18 +59,23 @@ def test_replan_rebinds_a_changed_split_count(make_layer, emulate, relative_erro
 
 def test_split_partials_loaded_several_at_a_time_give_the_same_bits(make_layer, emulate, relative_error,
                                                                      kernel_device):
-    """The finishing program loads SL splits' partials per step of its sum (triton_fused.SPLIT_LOADS) and adds them
-    in split order: the same bits as one at a time, for split counts below, at and past a multiple of SL."""
+    """The finishing program loads SL splits' partials per step of its sum and adds them in split order: the same
+    bits as one at a time, for split counts below, at and past a multiple of SL. SL goes through the launch's plan
+    (FusedLaunch.loads forced, else triton_fused.split_loads by the launch's split count)."""
+    from exl3local.kernels import triton_fused
+
     trellis, suh, svh = make_layer(256, 128, 4, "mul1", seed=12)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(12)).to(kernel_device)
-    for splits in (2, 8):
+    for splits in (2, 8, 16):
         outs = []
-        for loads in (1, 3, 4):
+        for loads in (1, 3, None):
             launch = FusedLaunch(trellis, suh, svh, 4, "mul1")
             launch.splits[1] = (splits, launch.k_steps // splits)
-            launch.fused_fixed["SL"] = loads
+            launch.loads = loads
             outs.append(torch.empty(3, 128, device=kernel_device))
             launch.launch(x, outs[-1], 3)
+            (_, _, _, _, _, fixed), = launch.plans.values()
+            assert fixed["SL"] == (loads or triton_fused.split_loads(splits))
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
         assert relative_error(outs[0], emulate(x, trellis, suh, svh, 4, "mul1")) < FP32_NOISE
     assert counters_clear()

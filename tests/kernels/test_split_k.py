@@ -29,3 +29,11 @@ def test_split_k_leaves_every_split_its_minimum_of_k_steps(monkeypatch):
     assert triton_gemv.choose_splits(16, 32, cuda) == 32 // floor  # 35B-A3B shared_down: was 32 of 1
     assert triton_gemv.choose_splits(40, 384, cuda) == 16  # 27B out_proj: 24 steps each, as before
     assert triton_gemv.choose_splits(136, 320, cuda) == 8  # 27B gate_up (a part): 40 steps each, as before
+
+
+def test_launches_of_many_splits_load_eight_partials_at_a_time():
+    """The finishing sum loads eight splits' partials per step from MANY_SPLITS splits on (the 27B's 16-split groups
+    gained 9-10 % on the H200), four below (8-split launches lost 1-2 % with eight)."""
+    from exl3local.kernels import triton_fused
+
+    assert [triton_fused.split_loads(s) for s in (1, 2, 4, 8, 16, 32, 64)] == [4, 4, 4, 4, 8, 8, 8]
