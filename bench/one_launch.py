@@ -4,11 +4,12 @@ launches, host µs per step), plus how far the one-launch outputs are from the t
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
 bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
 in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
---variants S:L[:E],..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT = S (each
-split-K split keeps at least S K steps), SL = L on every launch (split partials loaded per step of the finishing sum;
-0: triton_fused.split_loads by each launch's split count, as served) and the MoE projections' splits times 2**E, then
-the served values re-timed (again); and per projection group (every layer's calls of one name: in_proj_qkvz, ...,
-experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each chose.
+--variants S:L[:E[:D]],..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT = S
+(each split-K split keeps at least S K steps), SL = L on every launch (split partials loaded per step of the finishing
+sum; 0: triton_fused.split_loads by each launch's split count, as served) and the MoE projections' splits times 2**E
+(the linears' 2**D), then the served values re-timed (again); and per projection group (every layer's calls of one
+name: in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each
+chose.
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
     python3 -P bench/one_launch.py --variants 1:1,1:4,8:1 --rows 4,1,16 --out $OUT    # split-K A/B + groups
@@ -84,7 +85,7 @@ def difference(layers, rows: int) -> dict:
     return out
 
 
-MOE_SHIFT = [0]  # the MoE splits' scale (a power of two) configure() set last
+SHIFTS = [0, 0]  # the MoE and the dense launches' split scales (powers of two) configure() set last
 
 
 def op_launches(kind: str, obj) -> list:
@@ -99,24 +100,24 @@ def launches_of(layers):
             yield from op_launches(kind, obj)
 
 
-def configure(layers, steps: int, loads: int, moe_shift: int = 0) -> tuple[int, int, int]:
+def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: int = 0) -> tuple[int, ...]:
     """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum; 0: by
-    split count), scale the MoE projections' splits by 2**moe_shift (as far as the K steps divide), and forget every
-    launch's splits and plans (chosen again on the next call, outside any timing: measure and graph_us warm up
-    first). Returns the values it replaced."""
-    old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).loads or 0, MOE_SHIFT[0]
+    split count), scale the MoE projections' splits by 2**moe_shift and the linears' by 2**dense_shift (as far as
+    the K steps divide), and forget every launch's splits and plans (chosen again on the next call, outside any
+    timing: measure and graph_us warm up first). Returns the values it replaced."""
+    old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).loads or 0, *SHIFTS
     triton_gemv.MIN_STEPS_PER_SPLIT = steps
-    for launch in launches_of(layers):
-        launch.loads = loads or None
-        launch.splits.clear()
-        launch.replan()
     for ops in layers:
         for kind, obj, _ in ops:
-            for launch in (obj.ours.bound if kind == "moe" else ()):
+            shift = moe_shift if kind == "moe" else dense_shift
+            for launch in op_launches(kind, obj):
+                launch.loads = loads or None
+                launch.splits.clear()
+                launch.replan()
                 launch.__dict__.pop("split_for", None)
-                if moe_shift:
-                    launch.split_for = shifted_splits(launch, moe_shift)
-    MOE_SHIFT[0] = moe_shift
+                if shift:
+                    launch.split_for = shifted_splits(launch, shift)
+    SHIFTS[:] = moe_shift, dense_shift
     return old
 
 
@@ -148,15 +149,16 @@ def by_group(cfg, layers, step) -> dict:
 
 
 def variants_ab(cfg, layers, rows: int, variants: list[tuple[int, ...]], exl3_ok: bool) -> dict:
-    """Whole steps and per-group graph µs at each (split floor, split loads[, MoE split shift]) variant, the served
-    one first and again last; exllamav3 per group."""
+    """Whole steps and per-group graph µs at each (split floor, split loads[, MoE split shift[, dense split shift]])
+    variant, the served one first and again last; exllamav3 per group."""
     ours, theirs, _ = step_fns(cfg, layers, rows)
-    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0
+    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0, 0
     row, groups, chosen = {}, {}, {}
     tags = [(f"served_m{served[0]}_l{served[1]}", served)] + [
-        (f"m{v[0]}_l{v[1]}" + (f"_e{v[2]:+d}" if len(v) > 2 else ""), (*v, 0)[:3]) for v in variants]
-    for tag, (steps, loads, moe_shift) in tags + [("again", served)]:
-        old = configure(layers, steps, loads, moe_shift)
+        (f"m{v[0]}_l{v[1]}" + (f"_e{v[2]:+d}" if len(v) > 2 else "") + (f"_d{v[3]:+d}" if len(v) > 3 else ""),
+         (*v, 0, 0)[:4]) for v in variants]
+    for tag, (steps, loads, moe_shift, dense_shift) in tags + [("again", served)]:
+        old = configure(layers, steps, loads, moe_shift, dense_shift)
         try:
             ours()
             chosen[tag] = splits_chosen(cfg, layers)
@@ -201,8 +203,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tag", default="one_launch")
     parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
-    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT],...: split floors, split loads and MoE "
-                        "splits x 2**SHIFT to A/B against the served ones (e.g. 1:1,1:4,8:1,8:4:1)")
+    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT[:DENSE]],...: split floors, split loads, "
+                        "MoE splits x 2**SHIFT, linears' splits x 2**DENSE, A/B against the served ones (8:4,8:0:0:1)")
     args = parser.parse_args()
     exl3 = None if args.no_exl3 else Exl3Side()
     results = []

@@ -138,11 +138,14 @@ def test_fused_layer_pads_trims_and_adds_bias(make_layer, relative_error, kernel
     assert counters_clear()
 
 
-def test_more_rows_than_a_tile_take_the_reconstruct_path(monkeypatch, make_layer, kernel_device):
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_more_rows_than_a_tile_take_the_reconstruct_path(monkeypatch, make_layer, kernel_device, epilogue):
     """Above the bound launches' rows: the reconstruct path with its launches bound per part (bound_reconstruct),
-    the same bits as the kernels' own apply per part (padded x, trimmed parts, concatenated, bias added), in both
-    its forms (the Hadamard on y up to triton_gemm.HY_MAX_ROWS rows, W_r above; the limit lowered to keep x small)."""
+    the same bits as the kernels' own apply per part (padded x, trimmed parts, concatenated, bias added), in each
+    of its forms (the Hadamard on y up to triton_gemm.HY_MAX_ROWS rows, above it W_r or, from EPILOGUE_MIN_ROWS, the
+    GEMM with the Hadamard in its epilogue, each part writing its columns in place; limits lowered to keep x small)."""
     monkeypatch.setattr(triton_gemm, "HY_MAX_ROWS", 64)
+    monkeypatch.setattr(triton_gemm, "EPILOGUE_MIN_ROWS", 65 if epilogue else 0)
     parts = []
     for seed, (n, out, bits, codebook) in enumerate([(256, 200, 4, "mul1"), (128, 128, 3, "mcg")]):
         trellis, suh, svh = make_layer(128, n, bits, codebook, seed=6 + seed)
@@ -158,6 +161,7 @@ def test_more_rows_than_a_tile_take_the_reconstruct_path(monkeypatch, make_layer
         assert torch.equal(y, layer.unfused(x))
         assert torch.equal(layer(x), y)  # on a GPU the second call runs through the direct launches
         assert torch.equal(whole(x.half()), whole.unfused(x.half()))
+        assert torch.equal(layer(x.half()), layer.unfused(x.half()))  # fp16: parts written in place where they can
 
 
 @pytest.mark.parametrize("codebook,bits,rows,splits", [("mul1", 4, 20, 2), ("3inst", 3, 70, 1), ("mul1", 2.5, 17, 2)])

@@ -68,6 +68,22 @@ def test_every_path_with_bias_and_odd_rows(monkeypatch, make_layer, emulate, rel
         assert relative_error(y, emulate(x, trellis, suh, svh, bits, codebook, bias)) < FP32_NOISE
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_product_gemm_puts_the_hadamard_in_its_epilogue(monkeypatch, make_layer, emulate, relative_error,
+                                                             kernel_device, dtype):
+    """From EPILOGUE_MIN_ROWS rows: u·Ŵ in a Triton GEMM whose epilogue applies H, svh and the bias (two row tiles,
+    the second partial): as exact as the decode path (fp16 u, exact Ŵ, fp32 accumulation), bar the output's dtype."""
+    monkeypatch.setattr(triton_gemm, "EPILOGUE_MIN_ROWS", 65)
+    trellis, suh, svh = make_layer(256, 256, 4, "mul1", seed=13)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(130, 256, generator=g).to(kernel_device)
+    bias = torch.randn(256, generator=g).to(kernel_device)
+    y = triton_gemm.reconstruct_gemm(x.to(dtype), trellis, suh, svh, 4, "mul1", bias)
+    assert y.dtype == dtype
+    tolerance = FP32_NOISE if dtype == torch.float32 else 2e-3  # fp16: the output's own rounding
+    assert relative_error(y, emulate(x.to(dtype), trellis, suh, svh, 4, "mul1", bias)) < tolerance
+
+
 def test_paths_follow_the_row_thresholds():
     kernel = TritonLinearKernel(KernelSpec(128, 128, 4, "mul1"), None)
     assert kernel.path_for(1) is KernelPath.GEMV
