@@ -195,17 +195,23 @@ def test_moe_grouped_matches_the_units(tokens):
     torch.testing.assert_close(got, experts.units(x, weights, ids), rtol=1e-5, atol=1e-6)
 
 
-def test_mul1_fp16_rounding_by_veltkamp_split_is_exact_for_every_byte_sum():
-    """The avx512 tier rounds mul1's affine value to fp16 as c - (c - f), c = f * (2^13 + 1), in fp32 (built with
-    -ffp-contract=off): for each of the 1021 byte sums that equals the fp16 cast the reference applies."""
+def test_mul1_fp16_rounding_splits_are_exact_for_every_byte_sum():
+    """mul1's affine value f rounded to fp16 in fp32 arithmetic (built with -ffp-contract=off), for each of the 1021
+    byte sums equal to the fp16 cast the reference applies: the avx512 tier's (f + t) - t with t = 2^13 f made by
+    adding 13 to the exponent bits, and the AVX2 tiers' Veltkamp split c - (c - f), c = f * (2^13 + 1)."""
     import numpy as np
 
     from exl3local.kernels.codebook import MUL1_K_BIAS, MUL1_K_INV
 
     sums = np.arange(1021, dtype=np.float64)
     f = (sums * MUL1_K_INV + MUL1_K_BIAS).astype(np.float32)  # exact in fp32 (codebook.py)
+    expected = f.astype(np.float16).astype(np.float32)
+    t = (f.view(np.int32) + np.int32(13 << 23)).view(np.float32)
+    assert np.array_equal(t, f * np.float32(8192.0))
+    assert np.array_equal((f + t) - t, expected)
+    assert not np.array_equal(f, expected)  # the rounding is needed: f itself is not fp16 everywhere
     c = f * np.float32(8193.0)
-    assert np.array_equal(c - (c - f), f.astype(np.float16).astype(np.float32))
+    assert np.array_equal(c - (c - f), expected)
     assert "-ffp-contract=off" in build.COMMON_FLAGS
 
 
