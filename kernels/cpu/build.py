@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("exl3_cpu.cpp")
-HEADERS = ("exl3_cpu_core.h", "exl3_cpu_avx512.h", "exl3_cpu_fp16.h", "exl3_cpu_amx.h", "exl3_cpu_amx_u.h", "exl3_cpu_avx2.h", "exl3_cpu_portable.h")  # included by SOURCE, hashed with it
+HEADERS = ("exl3_cpu_core.h", "exl3_cpu_avx512.h", "exl3_cpu_fp16.h", "exl3_cpu_pairs.h", "exl3_cpu_amx.h", "exl3_cpu_amx_u.h", "exl3_cpu_avx2.h", "exl3_cpu_portable.h")  # included by SOURCE, hashed with it
 # -ffp-contract=off: no multiply-add the source does not write (the fp16 rounding splits of mul1 need it).
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 # Per tier: the flags, and the /proc/cpuinfo flags the machine needs to run it.

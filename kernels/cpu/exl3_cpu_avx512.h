@@ -127,19 +127,6 @@ struct GroupView {
     }
 };
 
-// The one-row GEMV's inner loop for one group over a chunk's tiles, two tile rows per accumulator load/store. Head is
-// a template argument: as a run-time test the compiler kept a branch per tile.
-template <int CB, bool Head>
-inline void group_rows2(const GroupView& view, const int16_t* row0, const int16_t* row1, int words16, int words32,
-                        __m512 ug0, __m512 ug1, float* a) {
-#pragma GCC unroll 8
-    for (int ct = 0; ct < CHUNK_TILES; ++ct, a += POSITIONS) {
-        const __m512 w0 = decode16<CB>(view.states<Head>((const uint32_t*)(row0 + (size_t)ct * words16), words32));
-        const __m512 w1 = decode16<CB>(view.states<Head>((const uint32_t*)(row1 + (size_t)ct * words16), words32));
-        _mm512_store_ps(a, _mm512_fmadd_ps(ug1, w1, _mm512_fmadd_ps(ug0, w0, _mm512_load_ps(a))));
-    }
-}
-
 // The 16 weights of group gi of the tile at U, in position order.
 template <int CB>
 inline __m512 decode_group(const uint32_t* U, int words32, const Groups& g, int gi) {
@@ -147,6 +134,7 @@ inline __m512 decode_group(const uint32_t* U, int words32, const Groups& g, int 
 }
 
 #include "exl3_cpu_fp16.h"
+#include "exl3_cpu_pairs.h"
 
 // One work item: the 128 output columns of chunk c for m rows of u, over every k tile of one trellis.
 // acc: m * CHUNK_TILES * POSITIONS floats (64-byte aligned), ue: m * 16 vectors.
@@ -162,22 +150,8 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
     if constexpr (CB == CB_MUL1)
         if (m == 1 && fp16_active()) return gemv1_mul1_fp16(trellis, tiles_k, tiles_n, r, g.urow, u, c, acc, svh, y);
 #endif
-    if (m == 1) {  // decode: two tile rows per accumulator load/store (tiles_k is a multiple of 8), group by group
-        for (int tk = 0; tk < tiles_k; tk += 2) {
-            prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 6 < tiles_k ? tk + 6 : tiles_k);
-            const __m512 u0 = _mm512_loadu_ps(u + 16 * tk), u1 = _mm512_loadu_ps(u + 16 * tk + 16);
-            const int16_t* row0 = col0 + (size_t)tk * row_words;
-            const int16_t* row1 = row0 + row_words;
-            for (int gi = 0; gi < 16; ++gi) {
-                const GroupView view(g, gi);
-                const __m512 ug0 = _mm512_permutexvar_ps(g.urow[gi], u0), ug1 = _mm512_permutexvar_ps(g.urow[gi], u1);
-                if (gi == 0) group_rows2<CB, true>(view, row0, row1, words16, r.words32, ug0, ug1, acc);
-                else group_rows2<CB, false>(view, row0, row1, words16, r.words32, ug0, ug1, acc + 16 * gi);
-            }
-        }
-        finish_block(acc, svh + c * 128, y + c * 128);
-        return;
-    }
+    // decode: two tile rows per accumulator load/store (tiles_k is a multiple of 8), two groups per state extraction
+    if (m == 1) return gemv1_pairs<CB>(trellis, tiles_k, tiles_n, r, g.urow, u, c, acc, svh, y);
     for (int tk = 0; tk < tiles_k; ++tk) {
         if (tk + 4 < tiles_k) prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 5);
         for (int mi = 0; mi < m; ++mi) {

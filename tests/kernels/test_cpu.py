@@ -36,6 +36,19 @@ def test_decode_is_bit_exact(codebook, bits):
         assert torch.equal(got, expected), f"{tier}: {(got != expected).sum().item()} weights differ"
 
 
+def test_one_row_gemv_matches_the_gemm_path_at_every_rate():
+    """The one-row loop's per-rate state tables (the avx512 tier reads two groups per extraction) against the GEMM
+    path, which decodes Ŵ separately (bit-exact: test_decode_is_bit_exact), for every codebook and rate and tier."""
+    for codebook, bits in RATES:
+        trellis, suh, svh = _layer(256, 256, bits, codebook, seed=int(4 * bits))
+        x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2))
+        for tier in TIERS:
+            lin = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier)
+            many = x.expand(ops.GEMV_MAX_ROWS + 1, -1).contiguous()
+            torch.testing.assert_close(lin(x)[0], lin(many)[0], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, t=tier, c=codebook, b=bits: f"{t} {c} {b}: {m}")
+
+
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3), ("mcg", 8), ("mul1", 2.5)])
 @pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1])
 def test_both_paths_match_the_reference(codebook, bits, rows):
