@@ -1,14 +1,17 @@
-"""EXL3 linears on the CPU without an engine, against torch bf16 on weights of the same shapes (split from
-bench/cpu_decode.py, which runs the engines and calls `linears` for its per-linear part).
+"""EXL3 linears on the CPU without an engine, against the bf16 engine's linear on weights of the same shapes (split
+from bench/cpu_decode.py, which runs the engines and calls `linears` for its per-linear part).
 
     python -P bench/cpu_linears.py [--step | --prefill 512] [--repeat 3] [--threads N] [--tier avx2vnni] ...
 
-Default: per linear shape (one row, weights cycled through copies larger than the L3 cache) ns per weight and GB/s
-of weight bytes read, as wall time and as CPU time of all threads, next to this machine's read bandwidth (a 1 GiB
-sum). --step: one decoded token's linears for every layer through the plugin's BoundLinear, with one library call per
-fused layer (the default) and with one per part, against F.linear, alternating in one process. --prefill M: the GEMM
-path per linear shape at M bf16 rows (AMX where the CPU has it, and fp32 BLAS) against vLLM's bf16 linear. --tier
-forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g. the AVX2 laptop tiers on an AVX-512 machine.
+The bf16 side is vLLM's own CPU linear (oneDNN on weights prepacked at load: dispatch_cpu_unquantized_gemm), what
+the bf16 engine runs; up to session 13 the default mode used torch's F.linear, 20-30 % slower at one row on Zen 4
+(still printed beside it). Default: per linear shape (one row, weights cycled through copies larger than the L3
+cache) ns per weight and GB/s of weight bytes read, as wall time and as CPU time of all threads, next to this
+machine's read bandwidth (a 1 GiB sum). --step: one decoded token's linears for every layer through the plugin's
+BoundLinear, with one library call per fused layer (the default) and with one per part, against the bf16 linear,
+alternating in one process. --prefill M: the GEMM path per linear shape at M bf16 rows (AMX where the CPU has it,
+and fp32 BLAS) against the bf16 linear. --tier forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g. the AVX2 laptop tiers
+on an AVX-512 machine.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import time
 
 
 def linear_speeds(cfg: dict, bits: int) -> list[dict]:
-    """Per linear shape: kernels/cpu (one row) vs torch bf16 (one row), ns per weight and GB/s of weights read."""
+    """Per linear shape: kernels/cpu (one row) vs the bf16 engine's linear (vLLM's oneDNN, one row; torch's F.linear
+    beside it), ns per weight and GB/s of weights read."""
     import torch
+    from vllm import _custom_ops as vllm_ops
 
     from exl3local.kernels.cpu import ops
 
@@ -53,22 +58,30 @@ def linear_speeds(cfg: dict, bits: int) -> list[dict]:
         for lin in lins:  # the same trellises through the opt-in int8 path (mul1 on AVX-512; else exact again)
             lin.int8 = ops.int8_active("mul1", lin.lib, True)
         int8, int8_cpu = best(lambda i: lins[i](x), copies)
+        del lins
         dense = [torch.randn(n, k, generator=g).bfloat16() for _ in range(copies)]
         xb = x.bfloat16()
-        bf16, bf16_cpu = best(lambda i: torch.nn.functional.linear(xb, dense[i]), copies)
+        torch_bf16, torch_cpu = best(lambda i: torch.nn.functional.linear(xb, dense[i]), copies)
+        # What the bf16 engine runs (vllm's dispatch_cpu_unquantized_gemm): oneDNN on weights prepacked at load.
+        handlers = [vllm_ops.create_onednn_mm(w.t(), 32) for w in dense]
+        del dense
+        bf16, bf16_cpu = best(lambda i: vllm_ops.onednn_mm(handlers[i], xb, None), copies)
         rows.append({"k": k, "n": n, "threads": torch.get_num_threads(), "exl3_us": exl3 * 1e6, "bf16_us": bf16 * 1e6,
                      "exl3_ns_per_weight": exl3 * 1e9 / (k * n), "bf16_ns_per_weight": bf16 * 1e9 / (k * n),
                      "exl3_cpu_ns_per_weight": exl3_cpu * 1e9 / (k * n), "bf16_cpu_ns_per_weight": bf16_cpu * 1e9 / (k * n),
+                     "torch_bf16_ns_per_weight": torch_bf16 * 1e9 / (k * n),
                      "int8_ns_per_weight": int8 * 1e9 / (k * n), "int8_cpu_ns_per_weight": int8_cpu * 1e9 / (k * n),
                      "exl3_gb_s": k * n * bits / 8 / exl3 / 1e9, "bf16_gb_s": k * n * 2 / bf16 / 1e9})
-        del lins, dense
+        del handlers
     return rows
 
 
 def linear_step(args, cfg: dict) -> None:
     """Every layer's linears for one decoded token, without vLLM: EXL3 through the plugin's BoundLinear (the
-    parts vLLM fuses: qkv, o, gate_up, down) against bf16 F.linear on weights of the same shapes."""
+    parts vLLM fuses: qkv, o, gate_up, down) against the bf16 engine's linear (vLLM's oneDNN, prepacked) on weights
+    of the same shapes."""
     import torch
+    from vllm import _custom_ops as vllm_ops
 
     from exl3local.kernels import KernelSpec, prepare
     from exl3local.kernels.bound import BoundLinear
@@ -87,7 +100,8 @@ def linear_step(args, cfg: dict) -> None:
         return kernel, trellis, (torch.randn(k, generator=g) * k**-0.5).half(), torch.randn(n, generator=g).half(), n
 
     layers = [[BoundLinear([part(k, n) for n in ns], k) for k, ns in shapes] for _ in range(cfg["num_hidden_layers"])]
-    dense = [[torch.randn(sum(ns), k, generator=g).bfloat16() for k, ns in shapes] for _ in layers]
+    dense = [[(k, vllm_ops.create_onednn_mm(torch.randn(sum(ns), k, generator=g).bfloat16().t(), 32)) for k, ns in shapes]
+             for _ in layers]
     xs = {k: torch.randn(1, k, generator=g).bfloat16() for k, _ in shapes}
     bounds = [bound for layer in layers for bound in layer]
     whole = [bound.whole for bound in bounds]
@@ -99,8 +113,8 @@ def linear_step(args, cfg: dict) -> None:
 
     def bf16() -> None:
         for layer in dense:
-            for w in layer:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+            for k, handler in layer:
+                vllm_ops.onednn_mm(handler, xs[k], None)
 
     cpu: dict[str, list[float]] = {}
     runs = (("exl3, one call per layer", lambda: exl3(True)), ("exl3, one call per part", lambda: exl3(False)),
@@ -180,8 +194,8 @@ def linears(args, cfg: dict, results: dict) -> None:
     for r in results["linears"]:
         print(f"linear {r['k']}x{r['n']} ({r['threads']} threads): EXL3 {r['exl3_us']:.0f} us ({r['exl3_ns_per_weight']:.3f} "
               f"ns/w, {r['exl3_gb_s']:.2f} GB/s trellis, CPU {r['exl3_cpu_ns_per_weight']:.3f} ns/w) vs bf16 "
-              f"{r['bf16_us']:.0f} us ({r['bf16_ns_per_weight']:.3f} ns/w, {r['bf16_gb_s']:.2f} GB/s, CPU "
-              f"{r['bf16_cpu_ns_per_weight']:.3f} ns/w); EXL3 int8 opt-in {r['int8_ns_per_weight']:.3f} ns/w, CPU "
+              f"(vLLM oneDNN) {r['bf16_us']:.0f} us ({r['bf16_ns_per_weight']:.3f} ns/w, {r['bf16_gb_s']:.2f} GB/s, CPU "
+              f"{r['bf16_cpu_ns_per_weight']:.3f} ns/w; torch F.linear {r['torch_bf16_ns_per_weight']:.3f} ns/w); EXL3 int8 opt-in {r['int8_ns_per_weight']:.3f} ns/w, CPU "
               f"{r['int8_cpu_ns_per_weight']:.3f} ns/w")
 
 
