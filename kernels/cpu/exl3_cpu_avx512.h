@@ -63,11 +63,12 @@ void make_groups(const Rate& r, Groups& g) {
 
 const Groups& groups_for(const Rate& r) { return tables_for<Groups, make_groups>(r); }
 
-// The tile rows [from, to) of a chunk (rows are row_words apart, n·K bytes), into L1 ahead of their decode.
+// The tile rows [from, to) of a chunk (rows are row_words apart, n·K bytes), into L2 ahead of their decode: on Zen 4
+// the one-row GEMV from DRAM took 5 % less time than with the rows fetched into L1 (T0), at 2 to 8 rows ahead.
 inline void prefetch_rows(const int16_t* col0, size_t row_words, int chunk_bytes, int from, int to) {
     for (int ahead = from; ahead < to; ++ahead) {
         const char* pf = (const char*)(col0 + (size_t)ahead * row_words);
-        for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T1);
     }
 }
 
