@@ -11,9 +11,9 @@
 #   PLAN=variants (session 13): the GPU tests (+ test_selftest, test_split_k); bench/one_launch.py --variants: whole
 #     steps and per-group graph µs of both models at ROWS (default 4,1,16) with the split-K floor and the split loads
 #     as served, as before (1:1) and in between (VARIANTS), and exllamav3 per group.
-#   PLAN=prefill (session 14): TESTS (default: the tests of the new kernels), then bench/product_gemm.py (27B parts at
-#     512-4096 rows in every reconstruct form, the epilogue GEMM at several tiles, exllamav3; whole 27B steps at 4096 and
-#     512 with it from EPILOGUE rows), then the split A/B of PLAN=variants (VARIANTS default 8:4,8:8,8:0:0:1).
+#   PLAN=prefill (session 14): the GPU tests of PLAN=variants (+ test_triton_linear's odd-rows test), then
+#     bench/prefill_forms.py (27B parts at 4096/2048 rows: each reconstruct form, its pieces, exllamav3; whole 27B steps
+#     at 4096/2048/512 with the form rule as served and as before), then bench/model_step.py at ROWS (64,512,4096).
 #   PLAN=moe: the GPU tests; 35B steps with the MoE over expert-sorted tiles vs one unit per program (--units) vs
 #     exllamav3 at ROWS (default 64,512,16,4096,4); then the 27B decode configs (bench/layers.py config, M = 1, 4).
 set -u
@@ -41,15 +41,14 @@ elif [ "$PLAN" = variants ]; then
     --tag one_launch_variants --deadline $(( start + ${TOTAL_SECONDS:-570} )) 2>&1 \
     | tee "$OUT/one_launch_variants.log" | grep -v '^{'
 elif [ "$PLAN" = prefill ]; then
-  TEST_SECONDS=${TEST_SECONDS:-150} tests ${TESTS:-"$REPO/tests/kernels/test_bound.py::test_split_partials_loaded_several_at_a_time_give_the_same_bits" \
-    "$REPO/tests/kernels/test_bound.py::test_more_rows_than_a_tile_take_the_reconstruct_path" \
-    "$REPO/tests/kernels/test_triton_linear.py::test_the_product_gemm_puts_the_hadamard_in_its_epilogue"}
-  run product_gemm.py --epilogue ${EPILOGUE:-512} --deadline $(( start + ${GEMM_SECONDS:-330} )) 2>&1 \
-    | tee "$OUT/product_gemm.log"
-  echo "product gemm done at +$(( $(date +%s) - start )) s"
-  run one_launch.py --variants ${VARIANTS:-8:4,8:8,8:0:0:1} --models 35b-a3b,27b --rows ${ROWS:-4,1,16} \
-    --tag one_launch_variants --deadline $(( start + ${TOTAL_SECONDS:-560} )) 2>&1 \
-    | tee "$OUT/one_launch_variants.log" | grep -v '^{'
+  TEST_SECONDS=${TEST_SECONDS:-240} tests ${TESTS:-"$REPO"/tests/kernels/test_triton_gpu.py \
+    "$REPO"/tests/kernels/test_bound.py "$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_selftest.py \
+    "$REPO"/tests/kernels/test_split_k.py \
+    "$REPO/tests/kernels/test_triton_linear.py::test_every_path_with_bias_and_odd_rows"}
+  run prefill_forms.py --deadline $(( start + ${FORMS_SECONDS:-400} )) 2>&1 | tee "$OUT/prefill_forms.log"
+  echo "prefill forms done at +$(( $(date +%s) - start )) s"
+  run model_step.py --rows ${ROWS:-64,512,4096} --tag model_step --deadline $(( start + ${TOTAL_SECONDS:-570} )) 2>&1 \
+    | tee "$OUT/model_step.log" | grep -v '^{'
 elif [ "$PLAN" = moe ]; then
   tests ${TESTS:-"$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_bound.py \
     "$REPO"/tests/kernels/test_triton_gpu.py}

@@ -2,9 +2,8 @@
 reconstruct path of triton_gemm (W_r = fp16(fp16(Ŵ·Hn)⊙svh) rebuilt per call, u = fp16(H(x⊙suh)), vendor fp16
 matmul), with both Triton kernels bound once per part and launched through DirectLaunch, and each part's product
 written into its columns of the layer's output (copied there where its dtype or padding differ). Up to
-triton_gemm.HY_MAX_ROWS rows its other form, bound the same way: Ŵ decoded plainly, z = u·Ŵ in fp32, the output
-transform H(z)⊙svh; from triton_gemm.EPILOGUE_MIN_ROWS rows the GEMM with that transform in its epilogue, writing the
-part's columns of the output in place.
+triton_gemm.hadamard_on_y's rows its other form, bound the same way: Ŵ decoded plainly, z = u·Ŵ in fp32, the output
+transform H(z)⊙svh.
 
 The same kernels, arguments and rounding points as TritonLinearKernel.apply's reconstruct path (so the same bits),
 without what that path spends on the host per call: Triton's argument binding for two launches per part (tens of
@@ -21,16 +20,13 @@ import triton
 from exl3local.kernels.hadamard import HADAMARD_SCALE
 from exl3local.kernels.launcher import DirectLaunch, launch_mode
 from exl3local.kernels.triton_decode import _decode_dense_kernel, rate_constants, words
-from exl3local.kernels import triton_gemm
-from exl3local.kernels.triton_gemm import (_product_gemm_kernel, _right_reconstruct_kernel, epilogue_on_y, fp32_product,
-                                           hadamard_on_y, product_gemm_grid)
+from exl3local.kernels.triton_gemm import _right_reconstruct_kernel, fp32_product, hadamard_on_y
 from exl3local.kernels.triton_hadamard import (_input_kernel, _product_output_kernel, hadamard_operands,
                                                rows_per_program)
 
 INPUT_VARYING = ("x_ptr", "u_ptr", "M", "stride_xm")
 REBUILD_VARYING = ("out_ptr",)
 OUTPUT_VARYING = ("z_ptr", "y_ptr", "M")
-GEMM_VARYING = ("u_ptr", "w_ptr", "y_ptr", "M", "stride_ym")
 
 
 class ReconstructLaunch:
@@ -47,7 +43,6 @@ class ReconstructLaunch:
         self.rebuild = DirectLaunch(_right_reconstruct_kernel, REBUILD_VARYING, plain, num_warps=4)
         self.decode = DirectLaunch(_decode_dense_kernel, REBUILD_VARYING, plain)
         self.output = DirectLaunch(_product_output_kernel, OUTPUT_VARYING, plain)
-        self.gemm = DirectLaunch(_product_gemm_kernel, GEMM_VARYING, plain, **triton_gemm.PRODUCT_GEMM_LAUNCH)
         had = hadamard_operands(device)
         # Keep the bound tensors referenced: the compiled argument lists hold only their addresses.
         self.input_fixed = dict(suh_ptr=suh, ids_ptr=suh, had_ptr=had, size_k=self.size_k, x_div=1,
@@ -61,7 +56,6 @@ class ReconstructLaunch:
         self.decode_fixed = dict(w_ptr=words(trellis), tiles_n=tiles_n, **rate_constants(bits, codebook), KT=4, BNT=8)
         self.output_fixed = dict(svh_ptr=svh, bias_ptr=svh, had_ptr=had, size_n=self.size_n, HAS_BIAS=False,
                                  SCALE=HADAMARD_SCALE)
-        self.gemm_fixed = dict(self.output_fixed, size_k=self.size_k, **triton_gemm.PRODUCT_GEMM_TILE)
 
     def into(self, x: torch.Tensor, y: torch.Tensor, start: int, out: int) -> None:
         """y[:, start:start + out] = (x·W)[:, :out] through fp16, as TritonLinearKernel.apply rounds it (x: rows ×
@@ -75,14 +69,7 @@ class ReconstructLaunch:
         self.input((triton.cdiv(rows, block_m), self.size_k // 128, 1), stream, key,
                    dict(self.input_fixed, BM=block_m), (x, u, rows, x.stride(0)),
                    (x.data_ptr(), u.data_ptr(), rows, x.stride(0)))
-        if epilogue_on_y(rows):  # triton_gemm.reconstruct_gemm's epilogue form: the part's columns of y in place
-            self.decode(self.decode_grid, stream, (), self.decode_fixed, (w,), (w.data_ptr(),))
-            part = y[:, start:]
-            self.gemm(product_gemm_grid(rows, self.size_n, self.gemm_fixed["BM"]), stream,
-                      (y.dtype, part.data_ptr() % 16 == 0, out), dict(self.gemm_fixed, n_out=out),
-                      (u, w, part, rows, y.stride(0)), (u.data_ptr(), w.data_ptr(), part.data_ptr(), rows, y.stride(0)))
-            return
-        if hadamard_on_y(rows, x.device):  # triton_gemm.reconstruct_gemm's other form, y in x's dtype
+        if hadamard_on_y(rows, self.size_k, x.device):  # triton_gemm.reconstruct_gemm's other form, y in x's dtype
             self.decode(self.decode_grid, stream, (), self.decode_fixed, (w,), (w.data_ptr(),))
             z = fp32_product(u, w)
             whole = start == 0 and out == self.size_n == y.shape[1] and y.dtype == x.dtype

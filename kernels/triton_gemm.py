@@ -12,16 +12,13 @@ two thirds of the earlier kernel's instructions) and rows are stored through rin
 natural order with no shuffle of Ŵ. The dispatch sends every call of more than GEMV_MAX_ROWS rows here:
 row tiles decoded on chip (triton_gemv with 32/64-row tiles) lost to this path at every M >= 32 measured.
 
-Up to HY_MAX_ROWS rows the Hadamard goes on the product instead (reference.linear's own form): Ŵ decoded plainly
-(triton_decode.decode_dense, at its memory floor), z = u·Ŵ in fp32 from the vendor matmul, y = H(z)⊙svh (+ bias) by
-the output transform. No 128-wide dot per weight: 120 / 225 / 378 vs 208 / 291 / 420 µs per 5120x17408 part at
-64 / 512 / 1024 rows on the H200, and a smaller error; at 4096 rows the fp32 z's traffic costs more than that saves
-(1226 vs 1125; docs/dev/perf/h200-s10b-rebuild-hy.log). z stays fp32 (an fp16 z holds y/svh, which can overflow where svh is small), so the path needs a
-matmul with fp32 output from fp16 operands (fp32_product); where torch has none, the W_r path serves.
-
-From EPILOGUE_MIN_ROWS rows (off by default) a third form: the same u·Ŵ in a Triton GEMM (_product_gemm_kernel) whose
-epilogue puts each 128-column block of its fp32 tile through the output Hadamard (had128_units, as the output kernel
-does) and writes y: no W_r rebuild, no fp32 z in memory, no torch matmul with fp32 output needed.
+Up to HY_MAX_ROWS rows (deeper parts further: HY_K_PER_ROW) the Hadamard goes on the product instead
+(reference.linear's own form): Ŵ decoded plainly (triton_decode.decode_dense, at its memory floor), z = u·Ŵ in fp32
+from the vendor matmul, y = H(z)⊙svh (+ bias) by the output transform. No 128-wide dot per weight: 120 / 225 / 378
+vs 208 / 291 / 420 µs per 5120x17408 part at 64 / 512 / 1024 rows on the H200, and a smaller error; at 4096 rows the
+fp32 z's traffic costs more than that saves (1226 vs 1125; docs/dev/perf/h200-s10b-rebuild-hy.log). z stays fp32 (an fp16 z holds y/svh, which
+can overflow where svh is small), so the path needs a matmul with fp32 output from fp16 operands (fp32_product);
+where torch has none, the W_r path serves.
 
 Layouts: trellis int16 (k/16, n/16, 16*bits) as stored (read as int32 words); W_r fp16 (k, n) row-major;
 x (rows, k); y (rows, n) in x's dtype.
@@ -37,16 +34,14 @@ import triton.language as tl
 
 from exl3local.kernels.hadamard import HADAMARD_SCALE
 from exl3local.kernels.triton_decode import decode_dense, rate_constants, ring_operand, ring_rows, ring_tiles, words
-from exl3local.kernels.triton_hadamard import (NATURAL, RING_ROWS, had128_units, hadamard_operands, input_transform,
-                                               load_hadamard, product_output)
+from exl3local.kernels.triton_hadamard import (RING_ROWS, hadamard_operands, input_transform, load_hadamard,
+                                               product_output)
 
 HY_MAX_ROWS = 1024  # faster per 27B part at 32..1024 rows on the H200, slower at 4096 in 2 of 3 parts (module doc)
-# From this many rows (0: never) the product GEMM below instead: u·Ŵ in a Triton GEMM whose epilogue applies the
-# output Hadamard and svh to its fp32 tile, so neither W_r's Hadamard per weight nor z's trip through memory is paid.
-EPILOGUE_MIN_ROWS = 0
-# Its tile (BN is one Hadamard block, 128 columns) and launch options: a common Hopper fp16 GEMM shape; Arc unmeasured.
-PRODUCT_GEMM_TILE = dict(BM=128, BK=64, GROUP_M=8)
-PRODUCT_GEMM_LAUNCH = dict(num_warps=8, num_stages=3)
+# ...and above it while rows <= k / HY_K_PER_ROW: W_r's extra cost (the Hadamard per weight) grows with k·n, z's trip
+# through memory with rows·n, so deep parts keep this form longer. H200, per part at 4096 rows (h200-s14a): 17408x5120
+# 1169 vs 1195 µs with W_r; 5120x17408 1229 vs 1127, 5120x10240 756 vs 705, 6144x5120 463 vs 436. Arc unmeasured.
+HY_K_PER_ROW = 4
 
 
 @triton.jit
@@ -70,55 +65,6 @@ def _right_reconstruct_kernel(w_ptr, had_ptr, svh_ptr, out_ptr, tiles_n, tk_per_
         tl.store(out_rows, (right.to(tl.float32) * svh).to(tl.float16))
         row_base += KT * tiles_n * W32
         out_rows += KT * 16 * tiles_n * 16
-
-
-@triton.jit(do_not_specialize=["M", "stride_ym"])
-def _product_gemm_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, had_ptr, y_ptr, M, size_k, size_n, stride_ym, n_out,
-                         HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                         GROUP_M: tl.constexpr):
-    """y[:, :n_out] = H128(u·Ŵ)⊙svh (+ bias) for BM rows × one 128-column block: u (M, k) fp16, Ŵ (k, n) fp16
-    (decode_dense), the product accumulated in fp32 and put through the Hadamard as _product_output_kernel does
-    (had128_units), y's rows stride_ym apart (a part writes its columns of a layer's output in place)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = size_n // 128
-    # GROUP_M row tiles walk a band of column blocks together, so a band's weight columns are read from L2
-    band = GROUP_M * tiles_n
-    first_m = pid // band * GROUP_M
-    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + pid % band % band_m
-    pid_n = pid % band // band_m
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * 128 + tl.arange(0, 128)
-    rk = tl.arange(0, BK)
-    # rows past M re-read row rm % M (no mask in the K loop); they are not stored
-    a = u_ptr + (rm % M).to(tl.int64)[:, None] * size_k + rk[None, :]
-    b = w_ptr + rk.to(tl.int64)[:, None] * size_n + rn[None, :]
-    acc = tl.zeros((BM, 128), dtype=tl.float32)
-    for _ in range(0, size_k, BK):
-        acc = tl.dot(tl.load(a), tl.load(b), acc)
-        a += BK
-        b += BK * size_n
-    y = had128_units(acc, load_hadamard(had_ptr, NATURAL)) * SCALE * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
-    if HAS_BIAS:  # the caller's bias covers the n_out columns it keeps
-        y += tl.load(bias_ptr + rn, mask=rn < n_out, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < n_out)[None, :])
-
-
-def product_gemm_into(u: torch.Tensor, w_hat: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None,
-                      y: torch.Tensor, n_out: int) -> None:
-    """y[:, :n_out] = H128(u·Ŵ)⊙svh (+ bias) (_product_gemm_kernel); y's columns have unit stride."""
-    rows, size_k = u.shape
-    size_n = w_hat.shape[1]
-    _product_gemm_kernel[product_gemm_grid(rows, size_n, PRODUCT_GEMM_TILE["BM"])](
-        u, w_hat, svh, bias if bias is not None else svh, hadamard_operands(u.device), y, rows, size_k, size_n,
-        y.stride(0), n_out, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE, **PRODUCT_GEMM_TILE, **PRODUCT_GEMM_LAUNCH)
-
-
-def product_gemm_grid(rows: int, size_n: int, block_m: int) -> tuple[int, int, int]:
-    """One program per (BM-row tile, 128-column block), in one grid dimension (the kernel orders them in bands)."""
-    return triton.cdiv(rows, block_m) * (size_n // 128), 1, 1
 
 
 def right_reconstruct(trellis: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str,
@@ -159,32 +105,17 @@ def fp32_product(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(u, w, out_dtype=torch.float32)
 
 
-def epilogue_on_y(rows: int) -> bool:
-    """Whether a call of `rows` rows takes the product GEMM with the Hadamard in its epilogue (EPILOGUE_MIN_ROWS)."""
-    return 0 < EPILOGUE_MIN_ROWS <= rows
-
-
-def hadamard_on_y(rows: int, device: torch.device) -> bool:
-    """Whether a call of `rows` rows puts the Hadamard on an fp32 product z (module doc)."""
-    return rows <= HY_MAX_ROWS and has_fp32_product(device) and not epilogue_on_y(rows)
+def hadamard_on_y(rows: int, size_k: int, device: torch.device) -> bool:
+    """Whether a call of `rows` rows through a size_k-deep weight puts the Hadamard on the product (module doc)."""
+    return rows <= max(HY_MAX_ROWS, size_k // HY_K_PER_ROW) and has_fp32_product(device)
 
 
 def reconstruct_gemm(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                      bits: float, codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x·W (+ bias) in the form that serves `x2d`'s row count here (epilogue_on_y, hadamard_on_y)."""
-    rows = x2d.shape[0]
-    form = epilogue_form_gemm if epilogue_on_y(rows) else \
-        product_form_gemm if hadamard_on_y(rows, x2d.device) else weight_form_gemm
+    """y = x·W (+ bias) in the form that serves `x2d`'s row count here (hadamard_on_y)."""
+    hy = hadamard_on_y(x2d.shape[0], trellis.shape[0] * 16, x2d.device)
+    form = product_form_gemm if hy else weight_form_gemm
     return form(x2d, trellis, suh, svh, bits, codebook, bias)
-
-
-def epilogue_form_gemm(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-                       bits: float, codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = H(H(x⊙suh)·Ŵ)⊙svh (+ bias) with the output Hadamard in the GEMM's epilogue (product_gemm_into)."""
-    w_hat = decode_dense(trellis, bits, codebook)
-    y = torch.empty(x2d.shape[0], w_hat.shape[1], dtype=x2d.dtype, device=x2d.device)
-    product_gemm_into(input_transform(x2d, suh), w_hat, svh, bias, y, w_hat.shape[1])
-    return y
 
 
 def product_form_gemm(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,

@@ -145,30 +145,25 @@ def _output_kernel(z_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, M, size_n, splits, 
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def had128_units(z, h):
-    """Unscaled H128 (h: load_hadamard's NATURAL) on each row of z [R, 128] fp32 on the matrix units, near fp32: each
-    row scaled by the power of two that puts its largest |z| in [1, 2) (exact, and no fp16 overflow), split into fp16
-    hi + lo (22 significant bits), both multiplied by the ±1 matrix with fp32 accumulation, and scaled back."""
-    # the biased exponent of each row's largest |z|, at least 1 (a zero row stays zero)
-    e = tl.maximum((tl.max(tl.abs(z), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 1)
-    zs = z * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]
-    hi = zs.to(tl.float16)
-    t = tl.dot((zs - hi.to(tl.float32)).to(tl.float16), h, tl.dot(hi, h))
-    return t * (e << 23).to(tl.float32, bitcast=True)[:, None]
-
-
 @triton.jit(do_not_specialize=["M"])  # bound launches reuse one compiled kernel for every row count
 def _product_output_kernel(z_ptr, svh_ptr, bias_ptr, had_ptr, y_ptr, M, size_n, HAS_BIAS: tl.constexpr,
                            SCALE: tl.constexpr, BM: tl.constexpr):
     """y = H128(z)⊙svh (+ bias) for one fp32 product z (rows, n) (triton_gemm's Hadamard on y) on the matrix units,
-    near fp32 (had128_units). The butterfly of _output_kernel took ~270 µs at 512x17408 on the H200."""
+    near fp32: each row scaled by the power of two that puts its largest |z| in [1, 2) (exact, and no fp16
+    overflow), split into fp16 hi + lo (22 significant bits), both multiplied by the ±1 matrix with fp32
+    accumulation, and scaled back. The butterfly of _output_kernel took ~270 µs at 512x17408 on the H200."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = (rm < M)[:, None]
     offs = rm.to(tl.int64)[:, None] * size_n + rn[None, :]
     z = tl.load(z_ptr + offs, mask=mask, other=0.0)
-    y = had128_units(z, load_hadamard(had_ptr, NATURAL)) * SCALE * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
+    # the biased exponent of each row's largest |z|, at least 1 (a zero row stays zero)
+    e = tl.maximum((tl.max(tl.abs(z), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 1)
+    zs = z * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+    hi = zs.to(tl.float16)
+    h = load_hadamard(had_ptr, NATURAL)
+    t = tl.dot((zs - hi.to(tl.float32)).to(tl.float16), h, tl.dot(hi, h))
+    y = t * (e << 23).to(tl.float32, bitcast=True)[:, None] * SCALE * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)

@@ -111,12 +111,6 @@ def main() -> None:
     compile_one(triton_hadamard._product_output_kernel,
                 {"z_ptr": "*fp32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "had_ptr": "*fp16", "y_ptr": "*bf16",
                  "M": "i32", "size_n": "i32"}, dict(HAS_BIAS=True, SCALE=HADAMARD_SCALE, BM=64))
-    # above EPILOGUE_MIN_ROWS rows: u·Ŵ with the output Hadamard in the GEMM's epilogue, at its served tile
-    compile_one(triton_gemm._product_gemm_kernel,
-                {"u_ptr": "*fp16", "w_ptr": "*fp16", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "had_ptr": "*fp16",
-                 "y_ptr": "*bf16", "M": "i32", "size_k": "i32", "size_n": "i32", "stride_ym": "i32", "n_out": "i32"},
-                dict(HAS_BIAS=True, SCALE=HADAMARD_SCALE, **triton_gemm.PRODUCT_GEMM_TILE),
-                **triton_gemm.PRODUCT_GEMM_LAUNCH)
     # the MoE units' variants: gate/up pairs from ids, and the down projection's silu(gate)·up input; the combine
     compile_one(triton_hadamard._input_kernel,
                 {"x_ptr": "*fp32", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",

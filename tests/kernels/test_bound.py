@@ -138,14 +138,13 @@ def test_fused_layer_pads_trims_and_adds_bias(make_layer, relative_error, kernel
     assert counters_clear()
 
 
-@pytest.mark.parametrize("epilogue", [False, True])
-def test_more_rows_than_a_tile_take_the_reconstruct_path(monkeypatch, make_layer, kernel_device, epilogue):
+def test_more_rows_than_a_tile_take_the_reconstruct_path(monkeypatch, make_layer, kernel_device):
     """Above the bound launches' rows: the reconstruct path with its launches bound per part (bound_reconstruct),
-    the same bits as the kernels' own apply per part (padded x, trimmed parts, concatenated, bias added), in each
-    of its forms (the Hadamard on y up to triton_gemm.HY_MAX_ROWS rows, above it W_r or, from EPILOGUE_MIN_ROWS, the
-    GEMM with the Hadamard in its epilogue, each part writing its columns in place; limits lowered to keep x small)."""
+    the same bits as the kernels' own apply per part (padded x, trimmed parts, concatenated, bias added), in both
+    its forms (the Hadamard on y up to triton_gemm.HY_MAX_ROWS rows, W_r above: fp16 parts written in place; the
+    limits lowered to keep x small)."""
     monkeypatch.setattr(triton_gemm, "HY_MAX_ROWS", 64)
-    monkeypatch.setattr(triton_gemm, "EPILOGUE_MIN_ROWS", 65 if epilogue else 0)
+    monkeypatch.setattr(triton_gemm, "HY_K_PER_ROW", 1 << 20)
     parts = []
     for seed, (n, out, bits, codebook) in enumerate([(256, 200, 4, "mul1"), (128, 128, 3, "mcg")]):
         trellis, suh, svh = make_layer(128, n, bits, codebook, seed=6 + seed)
