@@ -6,6 +6,8 @@ forced, their pieces (input transform, W_r rebuild, dense decode, the fp16 matmu
 stored transposed), exllamav3's LinearEXL3.forward; each form's relative difference from the fp32-z form.
 steps: whole 27B steps (bench/model_step.py's) at the prefill rows, eager ms: served, the form rule before session 14
 (the Hadamard on y up to HY_MAX_ROWS whatever the depth), served again, exllamav3.
+--profile: instead, one eager 27B step of each side at --step-rows under torch's profiler: device ms per kernel name
+(the largest), the sum of kernel time, and the wall time of the step; where a step's time goes beyond its parts'.
 Session 14 also timed a Triton GEMM with the output Hadamard in its epilogue here (commit 064c623): it lost to both
 served forms at every part and row count (docs/PERF.md "Session 14") and was removed.
 
@@ -116,12 +118,40 @@ def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[
     return results
 
 
+def profile(exl3: Exl3Side | None, rows_list: list[int]) -> list[dict]:
+    cfg, layers = build("27b", 4, "mul1", exl3)
+    results = []
+    for rows in rows_list:
+        ours, theirs, _ = step_fns(cfg, layers, rows)
+        for side, fn in (("ours", ours), ("exl3", theirs if exl3 is not None else None)):
+            if fn is None:
+                continue
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                start = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+            kernels: dict[str, float] = {}
+            for event in prof.events():
+                if event.device_type == torch.autograd.DeviceType.CUDA:
+                    kernels[event.name[:90]] = kernels.get(event.name[:90], 0.0) + event.time_range.elapsed_us() / 1e3
+            top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:14])
+            row = dict(model="27b", rows=rows, side=side, wall_ms=round(wall * 1e3, 2),
+                       kernel_ms=round(sum(kernels.values()), 2), top_ms={k: round(v, 2) for k, v in top.items()})
+            log(json.dumps(row))
+            results.append(row)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="4096,2048")
     parser.add_argument("--step-rows", default="4096,2048,512")
     parser.add_argument("--parts-only", action="store_true")
     parser.add_argument("--steps-only", action="store_true")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-exl3", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
@@ -132,9 +162,11 @@ def main() -> int:
         exl3 = None
     results = {}
     try:
-        if not args.steps_only:
+        if args.profile:
+            results["profile"] = profile(exl3, [int(r) for r in args.step_rows.split(",")])
+        elif not args.steps_only:
             results["parts"] = parts(exl3, [int(r) for r in args.rows.split(",")], args.deadline)
-        if not args.parts_only:
+        if not args.parts_only and not args.profile:
             results["steps"] = steps(exl3, [int(r) for r in args.step_rows.split(",")], args.deadline)
     finally:
         with open(os.path.join(args.out, "prefill_forms.json"), "w") as f:
