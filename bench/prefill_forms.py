@@ -7,7 +7,8 @@ stored transposed), exllamav3's LinearEXL3.forward; each form's relative differe
 steps: whole 27B steps (bench/model_step.py's) at the prefill rows, eager ms: served, the form rule before session 14
 (the Hadamard on y up to HY_MAX_ROWS whatever the depth), served again, exllamav3.
 --profile: instead, one eager 27B step of each side at --step-rows under torch's profiler: device ms per kernel name
-(the largest), the sum of kernel time, and the wall time of the step; where a step's time goes beyond its parts'.
+(the largest), the sum of kernel time, and the wall time of the step (where a step's time goes beyond its parts'); and
+our step under cProfile: host ms per Python function (the largest), for where an eager step's host time goes.
 Session 14 also timed a Triton GEMM with the output Hadamard in its epilogue here (commit 064c623): it lost to both
 served forms at every part and row count (docs/PERF.md "Session 14") and was removed.
 
@@ -140,9 +141,27 @@ def profile(exl3: Exl3Side | None, rows_list: list[int]) -> list[dict]:
             top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:14])
             row = dict(model="27b", rows=rows, side=side, wall_ms=round(wall * 1e3, 2),
                        kernel_ms=round(sum(kernels.values()), 2), top_ms={k: round(v, 2) for k, v in top.items()})
+            if side == "ours":
+                row["host_top_ms"] = host_profile(fn)
             log(json.dumps(row))
             results.append(row)
     return results
+
+
+def host_profile(fn) -> dict:
+    """{function: own host ms} of one call of fn under cProfile, the largest."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]
+    return {f"{Path(f).name}:{line}:{name} x{calls}": round(own * 1e3, 2)
+            for (f, line, name), (_, calls, own, _, _) in top}
 
 
 def main() -> int:
