@@ -3,7 +3,7 @@ reconstruct path of triton_gemm (W_r = fp16(fp16(Ŵ·Hn)⊙svh) rebuilt per call
 matmul), with both Triton kernels bound once per part and launched through DirectLaunch, and each part's product
 written into its columns of the layer's output (copied there where its dtype or padding differ). Up to
 triton_gemm.hadamard_on_y's rows its other form, bound the same way: Ŵ decoded plainly, z = u·Ŵ in fp32, the output
-transform H(z)⊙svh.
+transform H(z)⊙svh writing the part's columns of the layer's output in place (row stride, padding masked).
 
 The same kernels, arguments and rounding points as TritonLinearKernel.apply's reconstruct path (so the same bits),
 without what that path spends on the host per call: Triton's argument binding for two launches per part (tens of
@@ -22,11 +22,11 @@ from exl3local.kernels.launcher import DirectLaunch, launch_mode
 from exl3local.kernels.triton_decode import _decode_dense_kernel, rate_constants, words
 from exl3local.kernels.triton_gemm import _right_reconstruct_kernel, fp32_product, hadamard_on_y
 from exl3local.kernels.triton_hadamard import (_input_kernel, _product_output_kernel, hadamard_operands,
-                                               rows_per_program)
+                                               input_row_blocks, rows_per_program)
 
 INPUT_VARYING = ("x_ptr", "u_ptr", "M", "stride_xm")
 REBUILD_VARYING = ("out_ptr",)
-OUTPUT_VARYING = ("z_ptr", "y_ptr", "M")
+OUTPUT_VARYING = ("z_ptr", "y_ptr", "M", "stride_ym", "n_valid")
 
 
 class ReconstructLaunch:
@@ -64,21 +64,20 @@ class ReconstructLaunch:
         stream = self.stream()
         u = torch.empty(rows, self.size_k, dtype=torch.float16, device=x.device)
         w = torch.empty(self.size_k, self.size_n, dtype=torch.float16, device=x.device)
-        block_m = rows_per_program(rows)
-        key = (block_m, x.dtype, x.data_ptr() % 16 == 0)
-        self.input((triton.cdiv(rows, block_m), self.size_k // 128, 1), stream, key,
-                   dict(self.input_fixed, BM=block_m), (x, u, rows, x.stride(0)),
+        block_m, blocks = rows_per_program(rows), input_row_blocks(rows)
+        key = (block_m, blocks, x.dtype, x.data_ptr() % 16 == 0)
+        self.input((triton.cdiv(rows, block_m * blocks), self.size_k // 128, 1), stream, key,
+                   dict(self.input_fixed, BM=block_m, RB=blocks), (x, u, rows, x.stride(0)),
                    (x.data_ptr(), u.data_ptr(), rows, x.stride(0)))
         if hadamard_on_y(rows, self.size_k, x.device):  # triton_gemm.reconstruct_gemm's other form, y in x's dtype
             self.decode(self.decode_grid, stream, (), self.decode_fixed, (w,), (w.data_ptr(),))
             z = fp32_product(u, w)
-            whole = start == 0 and out == self.size_n == y.shape[1] and y.dtype == x.dtype
-            part = y if whole else torch.empty(rows, self.size_n, dtype=x.dtype, device=x.device)
+            part, stride = y[:, start:] if start else y, y.stride(0)
+            # the key: what Triton specialises the kernel on besides the fixed arguments (ints: divisible by 16)
             self.output((triton.cdiv(rows, block_m), self.size_n // 128, 1), stream,
-                        (block_m, x.dtype, part.data_ptr() % 16 == 0),
-                        dict(self.output_fixed, BM=block_m), (z, part, rows), (z.data_ptr(), part.data_ptr(), rows))
-            if not whole:
-                y[:, start:start + out].copy_(part[:, :out] if out != self.size_n else part)
+                        (block_m, y.dtype, part.data_ptr() % 16 == 0, stride % 16 == 0, out % 16 == 0),
+                        dict(self.output_fixed, BM=block_m), (z, part, rows, stride, out),
+                        (z.data_ptr(), part.data_ptr(), rows, stride, out))
             return
         self.rebuild(self.rebuild_grid, stream, (), self.rebuild_fixed, (w,), (w.data_ptr(),))
         if y.dtype == torch.float16 and out == self.size_n:

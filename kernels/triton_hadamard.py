@@ -98,28 +98,34 @@ def unit_expert(ids_ptr, unit, mask, PAIRS: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_xm"])  # one compiled kernel for every row count (kernels/bound.py)
 def _input_kernel(x_ptr, suh_ptr, ids_ptr, had_ptr, u_ptr, M, size_k, stride_xm, x_div, k_valid,
                   HAS_IDS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, PAIRS: tl.constexpr = False,
-                  GLU: tl.constexpr = False):
+                  GLU: tl.constexpr = False, RB: tl.constexpr = 1):
     """x has k_valid <= size_k features per row; the rest reads as the zero padding of spec §1.4.
     GLU: x row r is silu(x[2r]) ⊙ x[2r + 1] (an MoE unit's gate and up outputs, fp32), the down projection's
-    input computed here instead of in a separate launch."""
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    input computed here instead of in a separate launch. RB: row blocks per program, which load the ±1 operand
+    (32 KB, twice a 64-row block of x) once for all of them (input_row_blocks)."""
     rk = tl.program_id(1) * 128 + tl.arange(0, 128)
-    mask = (rm < M)[:, None]
-    xrow = (rm // x_div).to(tl.int64)
-    xmask = mask & (rk < k_valid)[None, :]
-    if GLU:
-        g = tl.load(x_ptr + (2 * xrow)[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + (2 * xrow + 1)[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0).to(tl.float32)
-        x = g / (1.0 + tl.exp(-g)) * up
-    else:
-        x = tl.load(x_ptr + xrow[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0).to(tl.float32)
-    if HAS_IDS:
-        e = unit_expert(ids_ptr, rm, rm < M, PAIRS)
-        s = tl.load(suh_ptr + e[:, None] * size_k + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    else:
-        s = tl.load(suh_ptr + rk).to(tl.float32)[None, :]
-    u = tl.dot((x * s).to(tl.float16), load_hadamard(had_ptr, NATURAL)) * SCALE
-    tl.store(u_ptr + rm.to(tl.int64)[:, None] * size_k + rk[None, :], u.to(tl.float16), mask=mask)
+    h = load_hadamard(had_ptr, NATURAL)
+    if not HAS_IDS:
+        suh = tl.load(suh_ptr + rk).to(tl.float32)[None, :]
+    for b in range(RB):
+        rm = (tl.program_id(0) * RB + b) * BM + tl.arange(0, BM)
+        mask = (rm < M)[:, None]
+        xrow = (rm // x_div).to(tl.int64)
+        xmask = mask & (rk < k_valid)[None, :]
+        if GLU:
+            g = tl.load(x_ptr + (2 * xrow)[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + (2 * xrow + 1)[:, None] * stride_xm + rk[None, :], mask=xmask,
+                         other=0.0).to(tl.float32)
+            x = g / (1.0 + tl.exp(-g)) * up
+        else:
+            x = tl.load(x_ptr + xrow[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0).to(tl.float32)
+        if HAS_IDS:
+            e = unit_expert(ids_ptr, rm, rm < M, PAIRS)
+            s = tl.load(suh_ptr + e[:, None] * size_k + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            s = suh
+        u = tl.dot((x * s).to(tl.float16), h) * SCALE
+        tl.store(u_ptr + rm.to(tl.int64)[:, None] * size_k + rk[None, :], u.to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -146,12 +152,14 @@ def _output_kernel(z_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, M, size_n, splits, 
 
 
 @triton.jit(do_not_specialize=["M"])  # bound launches reuse one compiled kernel for every row count
-def _product_output_kernel(z_ptr, svh_ptr, bias_ptr, had_ptr, y_ptr, M, size_n, HAS_BIAS: tl.constexpr,
-                           SCALE: tl.constexpr, BM: tl.constexpr):
+def _product_output_kernel(z_ptr, svh_ptr, bias_ptr, had_ptr, y_ptr, M, size_n, stride_ym, n_valid,
+                           HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr):
     """y = H128(z)⊙svh (+ bias) for one fp32 product z (rows, n) (triton_gemm's Hadamard on y) on the matrix units,
     near fp32: each row scaled by the power of two that puts its largest |z| in [1, 2) (exact, and no fp16
     overflow), split into fp16 hi + lo (22 significant bits), both multiplied by the ±1 matrix with fp32
-    accumulation, and scaled back. The butterfly of _output_kernel took ~270 µs at 512x17408 on the H200."""
+    accumulation, and scaled back. The butterfly of _output_kernel took ~270 µs at 512x17408 on the H200.
+    y's rows are stride_ym apart and only its first n_valid columns are written: a part of a fused layer writes its
+    columns of the layer's output in place (a copy per part cost 5.4 ms of host time per 27B 64-row eager step)."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = (rm < M)[:, None]
@@ -166,7 +174,8 @@ def _product_output_kernel(z_ptr, svh_ptr, bias_ptr, had_ptr, y_ptr, M, size_n, 
     y = t * (e << 23).to(tl.float32, bitcast=True)[:, None] * SCALE * tl.load(svh_ptr + rn).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=mask & (rn < n_valid)[None, :])
 
 
 def product_output(z: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -175,7 +184,7 @@ def product_output(z: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty(rows, size_n, dtype=dtype, device=z.device)
     block_m = rows_per_program(rows)
     _product_output_kernel[(triton.cdiv(rows, block_m), size_n // 128)](
-        z, svh, bias if bias is not None else svh, hadamard_operands(z.device), y, rows, size_n,
+        z, svh, bias if bias is not None else svh, hadamard_operands(z.device), y, rows, size_n, size_n, size_n,
         HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE, BM=block_m,
     )
     return y
@@ -186,16 +195,27 @@ def rows_per_program(rows: int) -> int:
     return 16 if rows <= 16 else 64
 
 
+# Rows per program of the input transform from this many rows on (64-row blocks, INPUT_ROW_BLOCKS of them).
+INPUT_BLOCKS_MIN_ROWS = 1024
+INPUT_ROW_BLOCKS = 4
+
+
+def input_row_blocks(rows: int) -> int:
+    """RB of _input_kernel for `rows` rows: one block below INPUT_BLOCKS_MIN_ROWS (decode and verify rows keep every
+    program), INPUT_ROW_BLOCKS from there. Each row's u is the same whatever RB (the same dot per block)."""
+    return INPUT_ROW_BLOCKS if rows >= INPUT_BLOCKS_MIN_ROWS else 1
+
+
 def input_transform(x: torch.Tensor, suh: torch.Tensor, ids: torch.Tensor | None = None, x_div: int = 1,
                     rows: int | None = None) -> torch.Tensor:
     """u = fp16(H128(x ⊙ suh)) for each row (each unit, with ids); x is (rows_x, k) with unit stride in k."""
     size_k = x.shape[-1]
     rows = x.shape[0] if rows is None else rows
     u = torch.empty(rows, size_k, dtype=torch.float16, device=x.device)
-    block_m = rows_per_program(rows)
-    _input_kernel[(triton.cdiv(rows, block_m), size_k // 128)](
+    block_m, blocks = rows_per_program(rows), input_row_blocks(rows)
+    _input_kernel[(triton.cdiv(rows, block_m * blocks), size_k // 128)](
         x, suh, ids if ids is not None else suh, hadamard_operands(x.device), u, rows, size_k, x.stride(0), x_div, size_k,
-        HAS_IDS=ids is not None, SCALE=HADAMARD_SCALE, BM=block_m,
+        HAS_IDS=ids is not None, SCALE=HADAMARD_SCALE, BM=block_m, RB=blocks,
     )
     return u
 

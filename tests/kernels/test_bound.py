@@ -141,8 +141,8 @@ def test_fused_layer_pads_trims_and_adds_bias(make_layer, relative_error, kernel
 def test_more_rows_than_a_tile_take_the_reconstruct_path(monkeypatch, make_layer, kernel_device):
     """Above the bound launches' rows: the reconstruct path with its launches bound per part (bound_reconstruct),
     the same bits as the kernels' own apply per part (padded x, trimmed parts, concatenated, bias added), in both
-    its forms (the Hadamard on y up to triton_gemm.HY_MAX_ROWS rows, W_r above: fp16 parts written in place; the
-    limits lowered to keep x small)."""
+    its forms (the Hadamard on y up to triton_gemm.HY_MAX_ROWS rows, each part written in place; W_r above: fp16
+    parts written in place; the limits lowered to keep x small)."""
     monkeypatch.setattr(triton_gemm, "HY_MAX_ROWS", 64)
     monkeypatch.setattr(triton_gemm, "HY_K_PER_ROW", 1 << 20)
     parts = []
@@ -153,6 +153,8 @@ def test_more_rows_than_a_tile_take_the_reconstruct_path(monkeypatch, make_layer
     bias = torch.randn(328, generator=torch.Generator().manual_seed(6)).to(kernel_device)
     layer = BoundLinear(parts, 100, bias)
     whole = BoundLinear(parts[1:], 100)  # one part, all its columns: the product goes straight into y
+    # the padded part last: its columns past `out` would run into the next row of y (both forms write in place)
+    padded_last = BoundLinear(parts[::-1], 100)
     for shape in ((2, 10, 100), (70, 100)):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(6)).to(kernel_device)
         y = layer(x)
@@ -161,6 +163,7 @@ def test_more_rows_than_a_tile_take_the_reconstruct_path(monkeypatch, make_layer
         assert torch.equal(layer(x), y)  # on a GPU the second call runs through the direct launches
         assert torch.equal(whole(x.half()), whole.unfused(x.half()))
         assert torch.equal(layer(x.half()), layer.unfused(x.half()))  # fp16: parts written in place where they can
+        assert torch.equal(padded_last(x), padded_last.unfused(x))
 
 
 @pytest.mark.parametrize("codebook,bits,rows,splits", [("mul1", 4, 20, 2), ("3inst", 3, 70, 1), ("mul1", 2.5, 17, 2)])

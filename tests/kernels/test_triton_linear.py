@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from exl3local.kernels import KernelPath, KernelSpec, linear, prepare, reference
 from exl3local.kernels.dispatch import GEMV_MAX_ROWS, TritonLinearKernel
 from exl3local.kernels.hadamard import hadamard_rows
-from exl3local.kernels import triton_gemm
+from exl3local.kernels import triton_gemm, triton_hadamard
 from exl3local.kernels.triton_hadamard import input_transform
 from exl3local.kernels.triton_gemv import gemv, ring_dot_partials, ring_partials
 
@@ -37,9 +37,13 @@ def test_gemv_matches_emulation_for_every_rate(make_layer, emulate, relative_err
     assert relative_error(y, emulate(x, trellis, suh, svh, bits, codebook)) < FP32_NOISE
 
 
-def test_input_transform_is_within_one_fp16_rounding(kernel_device):
+@pytest.mark.parametrize("rows", [3, 300])
+def test_input_transform_is_within_one_fp16_rounding(monkeypatch, kernel_device, rows):
+    # 300 rows: programs of triton_hadamard.INPUT_ROW_BLOCKS 64-row blocks, the last one ragged
+    monkeypatch.setattr(triton_hadamard, "INPUT_BLOCKS_MIN_ROWS", 100)
+    assert triton_hadamard.input_row_blocks(rows) == (1 if rows < 100 else triton_hadamard.INPUT_ROW_BLOCKS)
     g = torch.Generator().manual_seed(12)
-    x = torch.randn(3, 256, generator=g).to(kernel_device)
+    x = torch.randn(rows, 256, generator=g).to(kernel_device)
     suh = (torch.randn(256, generator=g) * 0.05).half().to(kernel_device)
     # spec §5 (exllamav3's had_hf): x ⊙ suh is rounded to fp16, then transformed and rounded once more
     exact = hadamard_rows((x.double() * suh.double()).half().double().cpu()).double()
