@@ -14,6 +14,9 @@
 #   PLAN=prefill (session 14): the GPU tests of PLAN=variants (+ test_triton_linear's odd-rows test), then
 #     bench/prefill_forms.py (27B parts at 4096/2048 rows: each reconstruct form, its pieces, exllamav3; whole 27B steps
 #     at 4096/2048/512 with the form rule as served and as before), then bench/model_step.py at ROWS (64,512,4096).
+#   PLAN=pieces (session 15): the GPU tests of the reconstruct path (TESTS), bench/prefill_pieces.py (the input
+#     transform's row blocks, the W_r rebuild's variants and cuts, 27B steps at 4096/2048), then bench/model_step.py at
+#     ROWS (1,4,16,64), every cell's eager timed first.
 #   PLAN=moe: the GPU tests; 35B steps with the MoE over expert-sorted tiles vs one unit per program (--units) vs
 #     exllamav3 at ROWS (default 64,512,16,4096,4); then the 27B decode configs (bench/layers.py config, M = 1, 4).
 set -u
@@ -48,6 +51,13 @@ elif [ "$PLAN" = prefill ]; then
   run prefill_forms.py --deadline $(( start + ${FORMS_SECONDS:-400} )) 2>&1 | tee "$OUT/prefill_forms.log"
   echo "prefill forms done at +$(( $(date +%s) - start )) s"
   run model_step.py --rows ${ROWS:-64,512,4096} --tag model_step --deadline $(( start + ${TOTAL_SECONDS:-570} )) 2>&1 \
+    | tee "$OUT/model_step.log" | grep -v '^{'
+elif [ "$PLAN" = pieces ]; then
+  TEST_SECONDS=${TEST_SECONDS:-150} tests ${TESTS:-"$REPO"/tests/kernels/test_bound.py \
+    "$REPO"/tests/kernels/test_triton_linear.py "$REPO"/tests/kernels/test_triton_decode.py}
+  run prefill_pieces.py --deadline $(( start + ${PIECES_SECONDS:-360} )) 2>&1 | tee "$OUT/prefill_pieces.log"
+  echo "prefill pieces done at +$(( $(date +%s) - start )) s"
+  run model_step.py --rows ${ROWS:-1,4,16,64} --tag model_step --deadline $(( start + ${TOTAL_SECONDS:-570} )) 2>&1 \
     | tee "$OUT/model_step.log" | grep -v '^{'
 elif [ "$PLAN" = moe ]; then
   tests ${TESTS:-"$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_bound.py \

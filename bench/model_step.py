@@ -14,7 +14,7 @@ Not timed: attention/GDN math, norms, router, embedding, lm_head (not EXL3 here)
 --bits/--codebook say otherwise; every layer has its own weights (a step streams the whole model, as in use).
 
 Per (model, M): eager µs/step (back-to-back steps on one stream, wall clock over synchronised runs: host and
-device time both count, as in vLLM's eager mode), CUDA-graph µs/step (one captured step replayed),
+device time both count, as in vLLM's eager mode; every cell's timed first, before any profiler runs), CUDA-graph µs/step (one captured step replayed),
 launches/step (CUDA profiler) and host µs/step (CPU time to issue one step with the GPU kept busy).
 exllamav3: LinearEXL3.forward per projection part (its own kernel choice per row count; EXL3_INT8_GEMV in the
 environment picks its M ≤ 2 mul1 path: run the script twice, default and EXL3_INT8_GEMV=0); MoE through its
@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from exl3_side import MGEMM_MAX_TOKENS, Exl3Side  # noqa: E402
-from step_timing import DEVICE, GRAPH_MAX_ROWS, log, measure, sync  # noqa: E402
+from step_timing import DEVICE, GRAPH_MAX_ROWS, log, measure, step_eager_us, step_table, sync  # noqa: E402
 
 from exl3local.kernels import KernelSpec, prepare, reference  # noqa: E402
 from exl3local.kernels import moe_layer  # noqa: E402
@@ -336,6 +336,7 @@ def main() -> int:
             built[name] = build(name, args.bits, args.codebook, exl3)
             sync()
             log(f"== {name}: {built[name][0]['layers']} layers built in {time.time() - t0:.1f} s ==")
+        clean = clean_eager(built, rows_list, args, exl3) if DEVICE[0] == "cuda" else {}
         for rows in rows_list:
             for name, (cfg, layers) in built.items():
                 if args.deadline and time.time() > args.deadline:
@@ -344,7 +345,7 @@ def main() -> int:
                 ours, theirs, tiled = step_fns(cfg, layers, rows)
                 row = dict(model=name, rows=rows, bits=args.bits, codebook=args.codebook, exl3_mode=tag)
                 if not args.no_ours:
-                    row["ours"] = measure(ours, rows, not args.no_graph)
+                    row["ours"] = measure(ours, rows, not args.no_graph, clean.get((name, rows, "ours")))
                     if 16 < rows <= TILED[0]:
                         row["ours_tiled"] = measure(tiled, rows, not args.no_graph)
                     if args.unbound and rows > 16:
@@ -361,7 +362,7 @@ def main() -> int:
                     # exllamav3's per-expert tier syncs with the host: no graph capture there
                     graphs = not args.no_graph and ("experts" not in cfg or rows <= MGEMM_MAX_TOKENS)
                     try:
-                        row["exl3"] = measure(theirs, rows, graphs)
+                        row["exl3"] = measure(theirs, rows, graphs, clean.get((name, rows, "exl3")))
                     except Exception as exc:  # noqa: BLE001 -- report, keep going
                         row["exl3_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 results.append(row)
@@ -370,31 +371,30 @@ def main() -> int:
         path = os.path.join(args.out, f"{args.tag}.json")
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
-        table(results)
+        step_table(results)
     return 0
 
 
-def table(results: list[dict]) -> None:
-    """One line per (model, M); a second, `tiled`, where our linears were also timed on the tiled path."""
-    log("\nmodel     M     ours eager / graph / host µs, launches | exl3 eager / graph / host µs, launches | ratio e/g")
-
-    def cells(d):
-        return (f"{d.get('eager_us', float('nan')):9.0f} {d.get('graph_us', float('nan')):8.0f} "
-                f"{d.get('host_us', float('nan')):8.0f} {d.get('launches', -1):6d}")
-
-    def ratio(o, e):
-        if not (o and e):
-            return ""
-        text = f"{e['eager_us'] / o['eager_us']:.2f}"
-        return text + (f" / {e['graph_us'] / o['graph_us']:.2f}" if "graph_us" in o and "graph_us" in e else "")
-
-    for r in results:
-        o, e = r.get("ours", {}), r.get("exl3", {})
-        log(f"{r['model']:9s} {r['rows']:5d} {cells(o) if o else '-':>40s} | {cells(e) if e else '-':>40s} | "
-            f"{ratio(o, e)}")
-        for variant in ("tiled", "units", "unbound"):
-            if f"ours_{variant}" in r:
-                log(f"{'  ' + variant:15s} {cells(r[f'ours_{variant}']):>40s} | {'':40s} | {ratio(r[f'ours_{variant}'], e)}")
+def clean_eager(built: dict, rows_list: list[int], args, exl3) -> dict:
+    """{(model, rows, side): eager µs} of every cell, timed before anything runs under torch's profiler: after
+    it, bound launches went through Triton's own launch path in session 14 (a launch hook left set; each row says
+    whether one is: hook_after_profiler), so eager cells timed after a profiled one were not clean."""
+    clean = {}
+    for rows in rows_list:
+        for name, (cfg, layers) in built.items():
+            if args.deadline and time.time() > args.deadline:
+                return clean
+            ours, theirs, _ = step_fns(cfg, layers, rows)
+            if not args.no_ours:
+                clean[(name, rows, "ours")] = step_eager_us(ours, rows)
+            if exl3 is not None and exl3.error is None:
+                try:
+                    clean[(name, rows, "exl3")] = step_eager_us(theirs, rows)
+                except Exception:  # noqa: BLE001 -- measure() reports it
+                    torch.cuda.synchronize()
+            log(f"eager {name} M={rows}: " + ", ".join(f"{side} {clean[(name, rows, side)] / 1e3:.2f} ms"
+                                                      for side in ("ours", "exl3") if (name, rows, side) in clean))
+    return clean
 
 
 if __name__ == "__main__":

@@ -87,14 +87,31 @@ def launches(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def measure(fn, rows: int, graphs: bool) -> dict:
+def step_eager_us(fn, rows: int) -> float:
+    """measure's eager µs of one step (prefill steps: two timed)."""
+    return eager_us(fn) if rows <= GRAPH_MAX_ROWS else eager_us(fn, min_s=0.0, max_reps=2)
+
+
+def launch_hook_set() -> bool:
+    """Whether a Triton launch hook is set now (then bound launches take Triton's own, slower launch path)."""
+    import triton
+
+    from exl3local.kernels.launcher import hooked
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return runtime is not None and (hooked(runtime.launch_enter_hook) or hooked(runtime.launch_exit_hook))
+
+
+def measure(fn, rows: int, graphs: bool, eager: float | None = None) -> dict:
+    """eager (given: timed earlier, before any profiler), launches, host and graph µs of one step."""
     if DEVICE[0] != "cuda":  # the interpreter: one step, to check the step runs (its time means nothing)
         start = time.perf_counter()
         fn()
         return {"eager_us": 1e6 * (time.perf_counter() - start)}
-    out = {"eager_us": eager_us(fn) if rows <= GRAPH_MAX_ROWS else eager_us(fn, min_s=0.0, max_reps=2)}
+    out = {"eager_us": step_eager_us(fn, rows) if eager is None else eager}
     if rows <= GRAPH_MAX_ROWS:  # the profiler's cost grows with the step; prefill launches follow from the code
         out["launches"] = launches(fn)
+        out["hook_after_profiler"] = launch_hook_set()
     out["host_us"] = host_us(fn)
     if graphs and rows <= GRAPH_MAX_ROWS:
         try:
@@ -103,3 +120,26 @@ def measure(fn, rows: int, graphs: bool) -> dict:
             out["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             torch.cuda.synchronize()
     return out
+
+
+def step_table(results: list[dict]) -> None:
+    """One line per (model, M); a second, `tiled`, where our linears were also timed on the tiled path."""
+    log("\nmodel     M     ours eager / graph / host µs, launches | exl3 eager / graph / host µs, launches | ratio e/g")
+
+    def cells(d):
+        return (f"{d.get('eager_us', float('nan')):9.0f} {d.get('graph_us', float('nan')):8.0f} "
+                f"{d.get('host_us', float('nan')):8.0f} {d.get('launches', -1):6d}")
+
+    def ratio(o, e):
+        if not (o and e):
+            return ""
+        text = f"{e['eager_us'] / o['eager_us']:.2f}"
+        return text + (f" / {e['graph_us'] / o['graph_us']:.2f}" if "graph_us" in o and "graph_us" in e else "")
+
+    for r in results:
+        o, e = r.get("ours", {}), r.get("exl3", {})
+        log(f"{r['model']:9s} {r['rows']:5d} {cells(o) if o else '-':>40s} | {cells(e) if e else '-':>40s} | "
+            f"{ratio(o, e)}")
+        for variant in ("tiled", "units", "unbound"):
+            if f"ours_{variant}" in r:
+                log(f"{'  ' + variant:15s} {cells(r[f'ours_{variant}']):>40s} | {'':40s} | {ratio(r[f'ours_{variant}'], e)}")

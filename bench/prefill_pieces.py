@@ -1,0 +1,207 @@
+"""Prefill pieces of the reconstruct path (issue 21, session 15), per 27B part on the H200, graph µs, one process:
+
+input: the input transform at 4096/1024 rows with RB row blocks per program (triton_hadamard.input_row_blocks; u
+    bit-equal to RB = 1 checked);
+rebuild: W_r = fp16(fp16(Ŵ·Hn)⊙svh) as served (svh multiplied in fp16), as before session 15 (in fp32, bit-equal
+    checked), with num_stages 1 / 2, with 4 / 8 tile rows per program (one / two dots), two cuts of it that say where its time goes (no epilogue: the dot's fp16 result
+    stored; no dot: Ŵ decoded in ring order and stored through the ring rows) and Ŵ decoded in natural order times
+    the natural ±1 matrix (its difference from served printed); beside them the dense decode;
+steps: whole 27B steps (bench/model_step.py's) at --step-rows, eager ms: served, the input transform with RB = 1
+    (before session 15), W_r rebuilt in natural order (cut 3), exllamav3, served again, exllamav3 again.
+
+    python3 -P bench/prefill_pieces.py --out $OUT        # on the H200 (source bench/device-setup.sh first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
+from exl3_side import Exl3Side  # noqa: E402
+from model_step import build, patched_step, step_fns  # noqa: E402
+from step_timing import eager_us, graph_us, log  # noqa: E402
+
+from exl3local.kernels import triton_decode, triton_gemm, triton_hadamard  # noqa: E402
+from exl3local.kernels.bound_reconstruct import REBUILD_VARYING  # noqa: E402
+from exl3local.kernels.hadamard import HADAMARD_SCALE  # noqa: E402
+from exl3local.kernels.launcher import DirectLaunch, launch_mode  # noqa: E402
+from exl3local.kernels.triton_decode import (natural_block, rate_constants, ring_operand, ring_rows, ring_tiles,  # noqa: E402
+                                            words)
+from exl3local.kernels.triton_hadamard import NATURAL, RING_ROWS, hadamard_operands, load_hadamard  # noqa: E402
+
+PARTS = ((5120, 17408), (17408, 5120), (5120, 10240), (6144, 5120))
+
+
+@triton.jit
+def _rebuild_cut_kernel(w_ptr, had_ptr, svh_ptr, out_ptr, tiles_n, tk_per_program, KA: tl.constexpr,
+                        HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr,
+                        SCALE: tl.constexpr, KT: tl.constexpr, CUT: tl.constexpr):
+    """triton_gemm._right_reconstruct_kernel with CUT 0: svh multiplied in fp32 (the form before session 15);
+    1: no epilogue (fp16 of the dot stored); 2: no dot (Ŵ stored through the ring rows, columns in ring order);
+    3: Ŵ decoded in natural order (triton_decode.natural_block) times the natural ±1 matrix, rows stored in order."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * 128 + tl.arange(0, 128)
+    h_right = load_hadamard(had_ptr, NATURAL if CUT == 3 else RING_ROWS)
+    svh = tl.load(svh_ptr + cols).to(tl.float32)[None, :]
+    tile_off, s = ring_tiles(pid_n * 8, tiles_n, KT, 8, W32, G)
+    tk = pid_k * tk_per_program
+    row_base = w_ptr + tk.to(tl.int64) * tiles_n * W32
+    rows = tl.arange(0, 16 * KT) if CUT == 3 else ring_rows(tl.arange(0, 16 * KT))
+    out_rows = out_ptr + (tk * 16 + rows).to(tl.int64)[:, None] * (tiles_n * 16) + cols[None, :]
+    for _ in range(0, tk_per_program, KT):
+        if CUT == 3:
+            w_hat = natural_block(row_base, tile_off, s, KT, 8, KA, HALF, W32, G, CODEBOOK)
+        else:
+            w_hat = ring_operand(row_base, tile_off, s, KT, 8, KA, HALF, W32, G, CODEBOOK)
+        if CUT == 2:
+            tl.store(out_rows, w_hat)
+        else:
+            right = (tl.dot(w_hat, h_right) * SCALE).to(tl.float16)
+            if CUT == 1:
+                tl.store(out_rows, right)
+            else:
+                tl.store(out_rows, (right.to(tl.float32) * svh).to(tl.float16))
+        row_base += KT * tiles_n * W32
+        out_rows += KT * 16 * tiles_n * 16
+
+
+def rebuild(trellis, svh, kernel, stages=None, per_program=None, **extra):
+    tiles_k, tiles_n, _ = trellis.shape
+    per_program = per_program or next(rows for rows in (32, 16, 8) if tiles_k % rows == 0)
+    w = torch.empty(tiles_k * 16, tiles_n * 16, dtype=torch.float16, device=trellis.device)
+    options = dict(num_warps=4) if stages is None else dict(num_warps=4, num_stages=stages)
+    kernel[(tiles_n // 8, tiles_k // per_program)](words(trellis), hadamard_operands(trellis.device), svh, w, tiles_n,
+                                                   per_program, **rate_constants(4, "mul1"), SCALE=HADAMARD_SCALE, KT=4,
+                                                   **extra, **options)
+    return w
+
+
+def input_rb(x, suh, blocks):
+    rows, size_k = x.shape
+    u = torch.empty(rows, size_k, dtype=torch.float16, device=x.device)
+    triton_hadamard._input_kernel[(triton.cdiv(rows, 64 * blocks), size_k // 128)](
+        x, suh, suh, hadamard_operands(x.device), u, rows, size_k, x.stride(0), 1, size_k, HAS_IDS=False,
+        SCALE=HADAMARD_SCALE, BM=64, RB=blocks)
+    return u
+
+
+def pieces(rows_list: list[int], deadline: float) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    results = []
+    for k, n in PARTS:
+        if deadline and time.time() > deadline:
+            break
+        trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 64), generator=g, dtype=torch.int16, device="cuda")
+        svh = (torch.randn(n, generator=g, device="cuda") * 0.05).half()
+        suh = (torch.randn(k, generator=g, device="cuda") * 0.05).half()
+        served = triton_gemm.right_reconstruct(trellis, svh, 4, "mul1")
+        before = rebuild(trellis, svh, _rebuild_cut_kernel, CUT=0)
+        natural = rebuild(trellis, svh, _rebuild_cut_kernel, CUT=3)
+        row = dict(part=f"{k}x{n}", rebuild_same_bits=bool(torch.equal(served, before)),
+                   natural_rel=f"{float((natural.float() - served.float()).norm() / served.float().norm()):.2e}")
+        fns = {"served": lambda: triton_gemm.right_reconstruct(trellis, svh, 4, "mul1"),
+               "before": lambda: rebuild(trellis, svh, _rebuild_cut_kernel, CUT=0),
+               "stages1": lambda: rebuild(trellis, svh, triton_gemm._right_reconstruct_kernel, stages=1),
+               "stages2": lambda: rebuild(trellis, svh, triton_gemm._right_reconstruct_kernel, stages=2),
+               "tiles4": lambda: rebuild(trellis, svh, triton_gemm._right_reconstruct_kernel, per_program=4),
+               "tiles8": lambda: rebuild(trellis, svh, triton_gemm._right_reconstruct_kernel, per_program=8),
+               "no_epilogue": lambda: rebuild(trellis, svh, _rebuild_cut_kernel, CUT=1),
+               "no_dot": lambda: rebuild(trellis, svh, _rebuild_cut_kernel, CUT=2),
+               "natural": lambda: rebuild(trellis, svh, _rebuild_cut_kernel, CUT=3),
+               "decode": lambda: triton_decode.decode_dense(trellis, 4, "mul1")}
+        row["rebuild_us"] = {name: round(graph_us(fn, reps=20), 1) for name, fn in fns.items()}
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=g, device="cuda").half()
+            first = input_rb(x, suh, 1)
+            same = all(torch.equal(first, input_rb(x, suh, b)) for b in (2, 4, 8, 16))
+            row[f"input_{rows}_same_bits"] = same
+            row[f"input_{rows}_us"] = {b: round(graph_us(lambda b=b: input_rb(x, suh, b), reps=20), 1)
+                                       for b in (1, 2, 4, 8, 16)}
+        log(json.dumps(row))
+        results.append(row)
+    return results
+
+
+def natural_rebuild(layers):
+    """A swap (bench/model_step.patched_step) that sends every bound layer's W_r rebuild through CUT 3 (Ŵ in natural
+    order), each part with a direct launch of its own."""
+    launches: dict[int, tuple] = {}
+
+    def swap():
+        parts = [r for ops in layers for kind, obj, _ in ops if kind == "linear" for r in (obj.ours.rebuilds or ())]
+        saved = [(r, r.rebuild, r.rebuild_fixed) for r in parts]
+        for r in parts:
+            if id(r) not in launches:
+                launches[id(r)] = (DirectLaunch(_rebuild_cut_kernel, REBUILD_VARYING, launch_mode(_rebuild_cut_kernel,
+                                   torch.device("cuda"))[0], num_warps=4), dict(r.rebuild_fixed, CUT=3))
+            r.rebuild, r.rebuild_fixed = launches[id(r)]
+
+        def undo():
+            for r, launch, fixed in saved:
+                r.rebuild, r.rebuild_fixed = launch, fixed
+        return undo
+    return swap
+
+
+def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[dict]:
+    cfg, layers = build("27b", 4, "mul1", exl3)
+    results = []
+    for rows in rows_list:
+        if deadline and time.time() > deadline:
+            log(f"(skipping 27b M={rows}: past the deadline)")
+            continue
+        ours, theirs, _ = step_fns(cfg, layers, rows)
+
+        def swap():
+            old, triton_hadamard.INPUT_ROW_BLOCKS = triton_hadamard.INPUT_ROW_BLOCKS, 1
+            return lambda: setattr(triton_hadamard, "INPUT_ROW_BLOCKS", old)
+
+        row = dict(model="27b", rows=rows, input_row_blocks=triton_hadamard.input_row_blocks(rows))
+        mine = (("served", ours), ("input_rb1", patched_step(ours, swap)),
+                ("natural_rebuild", patched_step(ours, natural_rebuild(layers))), ("again", ours))
+        # exllamav3 twice, around our last timing: the spread of repeated timings on one side (s14: 5 %)
+        for tag, fn in (*mine[:3], ("exl3", theirs), mine[3], ("exl3_again", theirs)):
+            if tag.startswith("exl3") and exl3 is None:
+                continue
+            row[tag] = round(eager_us(fn, min_s=1.5, max_reps=8 if rows > 1024 else 30) / 1e3, 2)
+        log(json.dumps(row))
+        results.append(row)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="4096,1024")
+    parser.add_argument("--step-rows", default="4096,2048")
+    parser.add_argument("--no-steps", action="store_true")
+    parser.add_argument("--no-exl3", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
+    args = parser.parse_args()
+    exl3 = None if args.no_exl3 or args.no_steps else Exl3Side()
+    if exl3 is not None and exl3.error:
+        log(f"exllamav3 unavailable: {exl3.error}")
+        exl3 = None
+    results = {}
+    try:
+        results["pieces"] = pieces([int(r) for r in args.rows.split(",")], args.deadline)
+        if not args.no_steps:
+            results["steps"] = steps(exl3, [int(r) for r in args.step_rows.split(",")], args.deadline)
+    finally:
+        with open(os.path.join(args.out, "prefill_pieces.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
