@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One H200 call for kernels/cpu (issue 22) on the device's host CPU (Emerald Rapids: AMX-BF16/INT8, AVX512-FP16, the
+# tiers this project's Zen 4 VM cannot run). No vLLM there. Carry: .whl (bench/device-setup.sh installs it; our CPU
+# code needs only platformdirs). Builds every tier, runs the CPU op's tests (AMX, AVX512-FP16 and int8 included),
+# then bench/cpu_host.py (one row at THREADS, the T0-prefetch library beside the shipped one, prefill-512 per linear).
+# Logs and JSON go to $OUT.
+set -u
+source bench/device-setup.sh
+grep -m1 "model name" /proc/cpuinfo; nproc; g++ --version | head -1
+grep -o -w -E "amx_bf16|amx_int8|amx_tile|avx512_fp16|avx512_bf16|avx512_vnni|avx512vbmi" /proc/cpuinfo | sort | uniq -c
+lscpu | grep -E "L2|L3|NUMA node0"
+cd /tmp || exit 1
+for tier in avx512 avx2vnni avx2 portable; do python3 -P -m exl3local.kernels.cpu.build $tier & done; wait
+echo "built at +$(( $(date +%s) - start )) s"
+timeout ${TEST_SECONDS:-150} python3 -P -m pytest -q -rs -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+  "$REPO"/tests/kernels/test_cpu.py "$REPO"/tests/kernels/test_cpu_amx.py "$REPO"/tests/kernels/test_cpu_int8.py \
+  "$REPO/tests/kernels/test_dispatch.py::test_cpu_chooses_the_cpu_kernel_then_the_reference" \
+  "$REPO/tests/kernels/test_selftest.py::test_the_cpu_librarys_checks_are_named_for_the_path_that_serves_their_activations" \
+  "$REPO/tests/kernels/test_selftest.py::test_the_cpu_gemm_check_refuses_either_amx_form_that_is_wrong" \
+  2>&1 | tail -40 | tee "$OUT/tests.log"
+echo "tests done at +$(( $(date +%s) - start )) s"
+timeout ${BENCH_SECONDS:-150} python3 -P "$REPO/bench/cpu_host.py" --threads ${THREADS:-1,2,4,8,16} --prefill 512 \
+  --prefill-threads ${PREFILL_THREADS:-1,4,16} --hint-before T0 ${BENCH_ARGS:-} --out "$OUT/cpu_host.json" 2>&1 | tee "$OUT/cpu_host.log"
+echo "bench done at +$(( $(date +%s) - start )) s"
