@@ -4,6 +4,9 @@ library cannot be built."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
+
 import pytest
 import torch
 
@@ -283,3 +286,24 @@ def test_mul1_gemv_on_avx512_fp16_equals_the_32_bit_loop(bits):
         assert lib.exl3_cpu_fp16(1) == 1
     assert torch.equal(fp16, wide)
     torch.testing.assert_close(fp16, reference.linear(x, trellis, suh, svh, bits, "mul1"), rtol=1e-5, atol=1e-5)
+
+
+def test_binding_a_layer_hands_large_freed_blocks_back_to_the_os():
+    """A prefill's activations (MiBs each) must not stay resident in the heap once freed (ops.release_large_frees):
+    after a 31 MiB block is freed, which raises glibc's own mmap threshold to 31 MiB, a 28 MiB block must still be
+    mmapped (its free then unmaps it) in a process that has bound a layer."""
+    libc = ctypes.CDLL(None)
+    if platform.libc_ver()[0] != "glibc" or not hasattr(libc, "mallinfo2"):
+        pytest.skip("needs glibc's mallinfo2 to see where a block lives")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallInfo2
+    ops.CpuLinear(*_layer(128, 128, 4, "mul1"), 4, "mul1")
+    freed = torch.empty(31 << 20, dtype=torch.uint8)
+    del freed
+    mapped = libc.mallinfo2().hblkhd
+    block = torch.empty(28 << 20, dtype=torch.uint8)
+    assert libc.mallinfo2().hblkhd - mapped >= block.numel(), "a 28 MiB block came from the heap"
