@@ -14,8 +14,9 @@ Not timed: attention/GDN math, norms, router, embedding, lm_head (not EXL3 here)
 --bits/--codebook say otherwise; every layer has its own weights (a step streams the whole model, as in use).
 
 Per (model, M): eager µs/step (back-to-back steps on one stream, wall clock over synchronised runs: host and
-device time both count, as in vLLM's eager mode; every cell's timed first, before any profiler runs), CUDA-graph µs/step (one captured step replayed),
-launches/step (CUDA profiler) and host µs/step (CPU time to issue one step with the GPU kept busy).
+device time both count, as in vLLM's eager mode; every cell's timed first, before any profiler runs), CUDA-graph
+µs/step (one captured step replayed), launches/step (CUDA profiler) and host µs/step (CPU time to issue one step with
+the GPU kept busy).
 exllamav3: LinearEXL3.forward per projection part (its own kernel choice per row count; EXL3_INT8_GEMV in the
 environment picks its M ≤ 2 mul1 path: run the script twice, default and EXL3_INT8_GEMV=0); MoE through its
 grouped expert GEMM `exl3_mgemm` with device-side ids for ≤ MGEMM_MAX_TOKENS tokens (not its fused exl3_moe

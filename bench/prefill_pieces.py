@@ -2,12 +2,14 @@
 
 input: the input transform at 4096/1024 rows with RB row blocks per program (triton_hadamard.input_row_blocks; u
     bit-equal to RB = 1 checked);
-rebuild: W_r = fp16(fp16(Ŵ·Hn)⊙svh) as served (svh multiplied in fp16), as before session 15 (in fp32, bit-equal
-    checked), with num_stages 1 / 2, with 4 / 8 tile rows per program (one / two dots), two cuts of it that say where its time goes (no epilogue: the dot's fp16 result
-    stored; no dot: Ŵ decoded in ring order and stored through the ring rows) and Ŵ decoded in natural order times
-    the natural ±1 matrix (its difference from served printed); beside them the dense decode;
-steps: whole 27B steps (bench/model_step.py's) at --step-rows, eager ms: served, the input transform with RB = 1
-    (before session 15), W_r rebuilt in natural order (cut 3), exllamav3, served again, exllamav3 again.
+rebuild: W_r = fp16(fp16(Ŵ·Hn)⊙svh) as served (svh multiplied in fp16, triton_gemm.REBUILD_STAGES), as before
+    session 15 (svh in fp32, Triton's default stages; bit-equal checked) and at 1 stage, served at 1 / 2 stages, with
+    4 / 8 tile rows per program (one / two dots), two cuts that say where its time goes (no epilogue: the dot's fp16
+    result stored; no dot: Ŵ decoded in ring order and stored through the ring rows) and Ŵ decoded in natural order
+    times the natural ±1 matrix (its difference from served printed); beside them the dense decode;
+steps: whole 27B steps (bench/model_step.py's) at --step-rows, eager ms: served, the input transform with RB = 1 and
+    the rebuild at Triton's default stages (each as before session 15), W_r rebuilt in natural order (cut 3),
+    exllamav3, served again, exllamav3 again.
 
     python3 -P bench/prefill_pieces.py --out $OUT        # on the H200 (source bench/device-setup.sh first)
 """
@@ -34,8 +36,8 @@ from exl3local.kernels import triton_decode, triton_gemm, triton_hadamard  # noq
 from exl3local.kernels.bound_reconstruct import REBUILD_VARYING  # noqa: E402
 from exl3local.kernels.hadamard import HADAMARD_SCALE  # noqa: E402
 from exl3local.kernels.launcher import DirectLaunch, launch_mode  # noqa: E402
-from exl3local.kernels.triton_decode import (natural_block, rate_constants, ring_operand, ring_rows, ring_tiles,  # noqa: E402
-                                            words)
+from exl3local.kernels.triton_decode import (  # noqa: E402
+    natural_block, rate_constants, ring_operand, ring_rows, ring_tiles, words)
 from exl3local.kernels.triton_hadamard import NATURAL, RING_ROWS, hadamard_operands, load_hadamard  # noqa: E402
 
 PARTS = ((5120, 17408), (17408, 5120), (5120, 10240), (6144, 5120))
@@ -118,6 +120,8 @@ def pieces(rows_list: list[int], deadline: float) -> list[dict]:
                "no_epilogue": lambda: rebuild(trellis, svh, _rebuild_cut_kernel, CUT=1),
                "no_dot": lambda: rebuild(trellis, svh, _rebuild_cut_kernel, CUT=2),
                "natural": lambda: rebuild(trellis, svh, _rebuild_cut_kernel, CUT=3),
+               "natural_stages1": lambda: rebuild(trellis, svh, _rebuild_cut_kernel, stages=1, CUT=3),
+               "before_stages1": lambda: rebuild(trellis, svh, _rebuild_cut_kernel, stages=1, CUT=0),
                "decode": lambda: triton_decode.decode_dense(trellis, 4, "mul1")}
         row["rebuild_us"] = {name: round(graph_us(fn, reps=20), 1) for name, fn in fns.items()}
         for rows in rows_list:
@@ -132,9 +136,9 @@ def pieces(rows_list: list[int], deadline: float) -> list[dict]:
     return results
 
 
-def natural_rebuild(layers):
-    """A swap (bench/model_step.patched_step) that sends every bound layer's W_r rebuild through CUT 3 (Ŵ in natural
-    order), each part with a direct launch of its own."""
+def rebuild_swap(layers, kernel, stages: int, **extra):
+    """A swap (bench/model_step.patched_step) that sends every bound layer's W_r rebuild through `kernel` (extra: its
+    constants beside the served ones) at num_stages `stages`, each part with a direct launch of its own."""
     launches: dict[int, tuple] = {}
 
     def swap():
@@ -142,8 +146,9 @@ def natural_rebuild(layers):
         saved = [(r, r.rebuild, r.rebuild_fixed) for r in parts]
         for r in parts:
             if id(r) not in launches:
-                launches[id(r)] = (DirectLaunch(_rebuild_cut_kernel, REBUILD_VARYING, launch_mode(_rebuild_cut_kernel,
-                                   torch.device("cuda"))[0], num_warps=4), dict(r.rebuild_fixed, CUT=3))
+                plain = launch_mode(kernel, torch.device("cuda"))[0]
+                launches[id(r)] = (DirectLaunch(kernel, REBUILD_VARYING, plain, num_warps=4, num_stages=stages),
+                                   dict(r.rebuild_fixed, **extra))
             r.rebuild, r.rebuild_fixed = launches[id(r)]
 
         def undo():
@@ -168,9 +173,11 @@ def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[
 
         row = dict(model="27b", rows=rows, input_row_blocks=triton_hadamard.input_row_blocks(rows))
         mine = (("served", ours), ("input_rb1", patched_step(ours, swap)),
-                ("natural_rebuild", patched_step(ours, natural_rebuild(layers))), ("again", ours))
+                ("rebuild_stages3", patched_step(ours, rebuild_swap(layers, triton_gemm._right_reconstruct_kernel, 3))),
+                ("natural_rebuild", patched_step(ours, rebuild_swap(layers, _rebuild_cut_kernel, 1, CUT=3))),
+                ("again", ours))
         # exllamav3 twice, around our last timing: the spread of repeated timings on one side (s14: 5 %)
-        for tag, fn in (*mine[:3], ("exl3", theirs), mine[3], ("exl3_again", theirs)):
+        for tag, fn in (*mine[:4], ("exl3", theirs), mine[4], ("exl3_again", theirs)):
             if tag.startswith("exl3") and exl3 is None:
                 continue
             row[tag] = round(eager_us(fn, min_s=1.5, max_reps=8 if rows > 1024 else 30) / 1e3, 2)

@@ -20,6 +20,7 @@ import triton
 from exl3local.kernels.hadamard import HADAMARD_SCALE
 from exl3local.kernels.launcher import DirectLaunch, launch_mode
 from exl3local.kernels.triton_decode import _decode_dense_kernel, rate_constants, words
+from exl3local.kernels import triton_gemm
 from exl3local.kernels.triton_gemm import _right_reconstruct_kernel, fp32_product, hadamard_on_y
 from exl3local.kernels.triton_hadamard import (_input_kernel, _product_output_kernel, hadamard_operands,
                                                input_row_blocks, rows_per_program)
@@ -40,7 +41,8 @@ class ReconstructLaunch:
         self.size_k, self.size_n = tiles_k * 16, tiles_n * 16
         plain, self.stream = launch_mode(_input_kernel, device)
         self.input = DirectLaunch(_input_kernel, INPUT_VARYING, plain)
-        self.rebuild = DirectLaunch(_right_reconstruct_kernel, REBUILD_VARYING, plain, num_warps=4)
+        self.rebuild = DirectLaunch(_right_reconstruct_kernel, REBUILD_VARYING, plain, num_warps=4,
+                                    num_stages=triton_gemm.REBUILD_STAGES)
         self.decode = DirectLaunch(_decode_dense_kernel, REBUILD_VARYING, plain)
         self.output = DirectLaunch(_product_output_kernel, OUTPUT_VARYING, plain)
         had = hadamard_operands(device)

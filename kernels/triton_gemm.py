@@ -42,6 +42,9 @@ HY_MAX_ROWS = 1024  # faster per 27B part at 32..1024 rows on the H200, slower a
 # through memory with rows·n, so deep parts keep this form longer. H200, per part at 4096 rows (h200-s14a): 17408x5120
 # 1169 vs 1195 µs with W_r; 5120x17408 1229 vs 1127, 5120x10240 756 vs 705, 6144x5120 463 vs 436. Arc unmeasured.
 HY_K_PER_ROW = 4
+# The W_r rebuild unpipelined: per 27B part on the H200 (s15a) 103 / 102 / 71 / 47 µs against 151 / 151 / 99 / 60 with
+# Triton's default stages (3) and 155 / 157 / 105 / 70 with 2 (5120x17408, 17408x5120, 5120x10240, 6144x5120).
+REBUILD_STAGES = 1
 
 
 @triton.jit
@@ -82,6 +85,7 @@ def right_reconstruct(trellis: torch.Tensor, svh: torch.Tensor, bits: float, cod
     _right_reconstruct_kernel[(tiles_n // 8, tiles_k // tile_rows_per_program)](
         words(trellis), hadamard_operands(trellis.device), svh, w, tiles_n, tile_rows_per_program,
         **rate_constants(bits, codebook), SCALE=HADAMARD_SCALE, KT=block_kt, num_warps=num_warps,
+        num_stages=REBUILD_STAGES,
     )
     return w
 

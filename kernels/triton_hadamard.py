@@ -195,8 +195,10 @@ def rows_per_program(rows: int) -> int:
     return 16 if rows <= 16 else 64
 
 
-# Rows per program of the input transform from this many rows on (64-row blocks, INPUT_ROW_BLOCKS of them).
-INPUT_BLOCKS_MIN_ROWS = 1024
+# Rows per program of the input transform from this many rows on (64-row blocks, INPUT_ROW_BLOCKS of them). H200
+# (s15a), µs at 4096 rows, RB 1 / 4: k 17408 114.2 / 104.3, 6144 43.6 / 39.3, 5120 37.6 / 36.8; at 1024 rows RB 4
+# lost (5120: 11.4 / 15.2: too few programs).
+INPUT_BLOCKS_MIN_ROWS = 4096
 INPUT_ROW_BLOCKS = 4
 
 
