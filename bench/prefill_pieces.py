@@ -77,15 +77,38 @@ def _rebuild_cut_kernel(w_ptr, had_ptr, svh_ptr, out_ptr, tiles_n, tk_per_progra
         out_rows += KT * 16 * tiles_n * 16
 
 
-def rebuild(trellis, svh, kernel, stages=None, per_program=None, **extra):
+def rebuild(trellis, svh, kernel, stages=None, per_program=None, warps=4, kt=4, **extra):
     tiles_k, tiles_n, _ = trellis.shape
     per_program = per_program or next(rows for rows in (32, 16, 8) if tiles_k % rows == 0)
     w = torch.empty(tiles_k * 16, tiles_n * 16, dtype=torch.float16, device=trellis.device)
-    options = dict(num_warps=4) if stages is None else dict(num_warps=4, num_stages=stages)
+    options = dict(num_warps=warps) if stages is None else dict(num_warps=warps, num_stages=stages)
     kernel[(tiles_n // 8, tiles_k // per_program)](words(trellis), hadamard_operands(trellis.device), svh, w, tiles_n,
-                                                   per_program, **rate_constants(4, "mul1"), SCALE=HADAMARD_SCALE, KT=4,
+                                                   per_program, **rate_constants(4, "mul1"), SCALE=HADAMARD_SCALE, KT=kt,
                                                    **extra, **options)
     return w
+
+
+SWEEP = [(rows, kt, warps) for rows in (8, 16, 32, 64) for kt in (2, 4, 8) for warps in (4, 8) if rows % kt == 0]
+
+
+def sweep(deadline: float) -> dict:
+    """The served rebuild at REBUILD_STAGES per (tile rows per program, KT, warps), graph µs per part; best first."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    times: dict = {}
+    for k, n in ((5120, 17408), (6144, 5120)):
+        trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 64), generator=g, dtype=torch.int16, device="cuda")
+        svh = (torch.randn(n, generator=g, device="cuda") * 0.05).half()
+        served = triton_gemm.right_reconstruct(trellis, svh, 4, "mul1")
+        for rows, kt, warps in SWEEP:
+            if deadline and time.time() > deadline:
+                break
+            fn = lambda: rebuild(trellis, svh, triton_gemm._right_reconstruct_kernel,  # noqa: E731
+                                 triton_gemm.REBUILD_STAGES, rows, warps, kt)
+            same = torch.equal(fn(), served)
+            times.setdefault(f"{rows}:{kt}:{warps}", []).append(round(graph_us(fn, reps=20), 1) if same else None)
+    best = sorted((v[0], key) for key, v in times.items() if v and v[0] is not None)
+    log(json.dumps(dict(sweep=times, best=best[:3])))
+    return dict(times=times, best=best[0][1] if best else None)
 
 
 def input_rb(x, suh, blocks):
@@ -136,29 +159,38 @@ def pieces(rows_list: list[int], deadline: float) -> list[dict]:
     return results
 
 
-def rebuild_swap(layers, kernel, stages: int, **extra):
+def rebuild_swap(layers, kernel, stages: int, config: str | None = None, **extra):
     """A swap (bench/model_step.patched_step) that sends every bound layer's W_r rebuild through `kernel` (extra: its
-    constants beside the served ones) at num_stages `stages`, each part with a direct launch of its own."""
+    constants beside the served ones) at num_stages `stages`, each part with a direct launch of its own; config
+    "rows:KT:warps" (sweep's) changes its tile rows per program, KT and warps where the part's k allows."""
     launches: dict[int, tuple] = {}
 
     def swap():
         parts = [r for ops in layers for kind, obj, _ in ops if kind == "linear" for r in (obj.ours.rebuilds or ())]
-        saved = [(r, r.rebuild, r.rebuild_fixed) for r in parts]
+        saved = [(r, r.rebuild, r.rebuild_fixed, r.rebuild_grid) for r in parts]
         for r in parts:
             if id(r) not in launches:
                 plain = launch_mode(kernel, torch.device("cuda"))[0]
-                launches[id(r)] = (DirectLaunch(kernel, REBUILD_VARYING, plain, num_warps=4, num_stages=stages),
-                                   dict(r.rebuild_fixed, **extra))
-            r.rebuild, r.rebuild_fixed = launches[id(r)]
+                fixed, grid, warps = dict(r.rebuild_fixed, **extra), r.rebuild_grid, 4
+                if config:
+                    rows, kt, warps = map(int, config.split(":"))
+                    if (r.size_k // 16) % rows == 0:
+                        fixed.update(tk_per_program=rows, KT=kt)
+                        grid = (r.size_n // 128, r.size_k // 16 // rows, 1)
+                    else:
+                        warps = 4
+                launches[id(r)] = (DirectLaunch(kernel, REBUILD_VARYING, plain, num_warps=warps, num_stages=stages),
+                                   fixed, grid)
+            r.rebuild, r.rebuild_fixed, r.rebuild_grid = launches[id(r)]
 
         def undo():
-            for r, launch, fixed in saved:
-                r.rebuild, r.rebuild_fixed = launch, fixed
+            for r, launch, fixed, grid in saved:
+                r.rebuild, r.rebuild_fixed, r.rebuild_grid = launch, fixed, grid
         return undo
     return swap
 
 
-def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[dict]:
+def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float, best: str | None = None) -> list[dict]:
     cfg, layers = build("27b", 4, "mul1", exl3)
     results = []
     for rows in rows_list:
@@ -174,7 +206,10 @@ def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[
         row = dict(model="27b", rows=rows, input_row_blocks=triton_hadamard.input_row_blocks(rows))
         mine = (("served", ours), ("input_rb1", patched_step(ours, swap)),
                 ("rebuild_stages3", patched_step(ours, rebuild_swap(layers, triton_gemm._right_reconstruct_kernel, 3))),
-                ("natural_rebuild", patched_step(ours, rebuild_swap(layers, _rebuild_cut_kernel, 1, CUT=3))),
+                (f"rebuild_{best}" if best else "natural_rebuild",
+                 patched_step(ours, rebuild_swap(layers, triton_gemm._right_reconstruct_kernel,
+                                                 triton_gemm.REBUILD_STAGES, best) if best else
+                              rebuild_swap(layers, _rebuild_cut_kernel, 1, CUT=3))),
                 ("again", ours))
         # exllamav3 twice, around our last timing: the spread of repeated timings on one side (s14: 5 %)
         for tag, fn in (*mine[:4], ("exl3", theirs), mine[4], ("exl3_again", theirs)):
@@ -191,6 +226,7 @@ def main() -> int:
     parser.add_argument("--rows", default="4096,1024")
     parser.add_argument("--step-rows", default="4096,2048")
     parser.add_argument("--no-steps", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="only the rebuild's configs, then steps with the best")
     parser.add_argument("--no-exl3", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
@@ -201,9 +237,13 @@ def main() -> int:
         exl3 = None
     results = {}
     try:
-        results["pieces"] = pieces([int(r) for r in args.rows.split(",")], args.deadline)
+        if args.sweep:
+            results["sweep"] = sweep(args.deadline)
+        else:
+            results["pieces"] = pieces([int(r) for r in args.rows.split(",")], args.deadline)
         if not args.no_steps:
-            results["steps"] = steps(exl3, [int(r) for r in args.step_rows.split(",")], args.deadline)
+            results["steps"] = steps(exl3, [int(r) for r in args.step_rows.split(",")], args.deadline,
+                                     results.get("sweep", {}).get("best"))
     finally:
         with open(os.path.join(args.out, "prefill_pieces.json"), "w") as f:
             json.dump(results, f, indent=1)

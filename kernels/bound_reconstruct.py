@@ -49,7 +49,7 @@ class ReconstructLaunch:
         # Keep the bound tensors referenced: the compiled argument lists hold only their addresses.
         self.input_fixed = dict(suh_ptr=suh, ids_ptr=suh, had_ptr=had, size_k=self.size_k, x_div=1,
                                 k_valid=in_features, HAS_IDS=False, SCALE=HADAMARD_SCALE, PAIRS=False, GLU=False)
-        per_program = next(rows for rows in (32, 16, 8) if tiles_k % rows == 0)  # triton_gemm.right_reconstruct's
+        per_program = triton_gemm.rebuild_tile_rows(tiles_k)
         self.rebuild_grid = (tiles_n // 8, tiles_k // per_program, 1)
         self.rebuild_fixed = dict(w_ptr=words(trellis), had_ptr=had, svh_ptr=svh, tiles_n=tiles_n,
                                   tk_per_program=per_program, **rate_constants(bits, codebook), SCALE=HADAMARD_SCALE,

@@ -45,6 +45,12 @@ HY_K_PER_ROW = 4
 # The W_r rebuild unpipelined: per 27B part on the H200 (s15a) 103 / 102 / 71 / 47 µs against 151 / 151 / 99 / 60 with
 # Triton's default stages (3) and 155 / 157 / 105 / 70 with 2 (5120x17408, 17408x5120, 5120x10240, 6144x5120).
 REBUILD_STAGES = 1
+REBUILD_TILE_ROWS = 16
+
+
+def rebuild_tile_rows(tiles_k: int) -> int:
+    """Tile rows per program of the W_r rebuild for a weight of tiles_k tile rows (right_reconstruct's doc)."""
+    return REBUILD_TILE_ROWS if tiles_k % REBUILD_TILE_ROWS == 0 else 8
 
 
 @triton.jit
@@ -76,11 +82,12 @@ def right_reconstruct(trellis: torch.Tensor, svh: torch.Tensor, bits: float, cod
                       tile_rows_per_program: int | None = None, block_kt: int = 4, num_warps: int = 4) -> torch.Tensor:
     """W_r = Ŵ·Hn⊙svh, fp16 (k, n): the weight in the input's rotated basis, so x·W = H(x⊙suh)·W_r.
 
-    32 tile rows per program (4 per dot) ran best on the H200 (147 µs at 5120x17408 vs 205 with 8;
-    docs/perf/h200-v3b-sweep.log); smaller counts serve k not divisible by 512."""
+    REBUILD_TILE_ROWS per program (4 per dot, 4 warps) ran best at REBUILD_STAGES on the H200 (s15d, 24 configs: 101.1
+    µs at 5120x17408 vs 102.4 with 32, 41.8 vs 47.4 at 6144x5120; KT 2 or 8 and 8 warps 25-110 % slower); 8 serves k
+    not divisible by 256."""
     tiles_k, tiles_n, _ = trellis.shape
     if tile_rows_per_program is None:
-        tile_rows_per_program = next(rows for rows in (32, 16, 8) if tiles_k % rows == 0)
+        tile_rows_per_program = rebuild_tile_rows(tiles_k)
     w = torch.empty(tiles_k * 16, tiles_n * 16, dtype=torch.float16, device=trellis.device)
     _right_reconstruct_kernel[(tiles_n // 8, tiles_k // tile_rows_per_program)](
         words(trellis), hadamard_operands(trellis.device), svh, w, tiles_n, tile_rows_per_program,
