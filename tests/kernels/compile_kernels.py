@@ -44,6 +44,8 @@ FUSED_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "svh_ptr": "*fp16", "bias_ptr":
                                           "expert_words", "stride_zs")},
               # in signature order: Triton 3.3 (Intel's) takes the signature by position
               "x_ptr": "*bf16", "suh_ptr": "*fp16", "stride_xm": "i32", "k_valid": "i32", "x_div": "i32"}
+INPUT_ARGS = {"x_ptr": "*bf16", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
+              "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32", "k_valid": "i32"}
 FMA_ARGS = {"u_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32", "tiles_n": "i32",
             "tk_per_split": "i32", "stride_zs": "i32",
             "svh_ptr": "*fp16", "bias_ptr": "*fp16", "y_ptr": "*bf16", "cnt_ptr": "*i32", "stride_ym": "i32",
@@ -98,9 +100,7 @@ def compile_one(fn, args: dict[str, str], constants: dict, global_barriers: int 
 def main() -> None:
     compile_one(triton_hadamard._hadamard_operands_kernel, {"out_ptr": "*fp16"}, {})
     for has_ids in (False, True):
-        compile_one(triton_hadamard._input_kernel,
-                    {"x_ptr": "*bf16", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
-                     "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32", "k_valid": "i32"},
+        compile_one(triton_hadamard._input_kernel, INPUT_ARGS,
                     dict(HAS_IDS=has_ids, SCALE=HADAMARD_SCALE, BM=16, PAIRS=False, GLU=False, RB=1))
         compile_one(triton_hadamard._output_kernel,
                     {"z_ptr": "*fp32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i32", "y_ptr": "*fp16",
@@ -108,9 +108,7 @@ def main() -> None:
                     dict(HAS_IDS=has_ids, HAS_BIAS=True, SCALE=HADAMARD_SCALE,
                          BM=triton_hadamard.OUTPUT_ROWS_PER_PROGRAM))
     # prefill rows: programs of several 64-row blocks (triton_hadamard.input_row_blocks)
-    compile_one(triton_hadamard._input_kernel,
-                {"x_ptr": "*bf16", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
-                 "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32", "k_valid": "i32"},
+    compile_one(triton_hadamard._input_kernel, INPUT_ARGS,
                 dict(HAS_IDS=False, SCALE=HADAMARD_SCALE, BM=64, PAIRS=False, GLU=False,
                      RB=triton_hadamard.INPUT_ROW_BLOCKS))
     # the reconstruct path's Hadamard on y (triton_gemm: up to HY_MAX_ROWS rows), 64-row tiles
@@ -119,9 +117,7 @@ def main() -> None:
                  "M": "i32", "size_n": "i32", "stride_ym": "i32", "n_valid": "i32"},
                 dict(HAS_BIAS=True, SCALE=HADAMARD_SCALE, BM=64))
     # the MoE units' variants: gate/up pairs from ids, and the down projection's silu(gate)·up input; the combine
-    compile_one(triton_hadamard._input_kernel,
-                {"x_ptr": "*fp32", "suh_ptr": "*fp16", "ids_ptr": "*i32", "had_ptr": "*fp16", "u_ptr": "*fp16",
-                 "M": "i32", "size_k": "i32", "stride_xm": "i32", "x_div": "i32", "k_valid": "i32"},
+    compile_one(triton_hadamard._input_kernel, dict(INPUT_ARGS, x_ptr="*fp32"),
                 dict(HAS_IDS=True, SCALE=HADAMARD_SCALE, BM=64, PAIRS=True, GLU=True, RB=1))
     compile_one(triton_moe._tile_table_kernel, {"ids_ptr": "*i64", "cnt_ptr": "*i32", "out_ptr": "*i32", "units": "i32",
                                                 "tiles": "i32", "experts": "i32"},
