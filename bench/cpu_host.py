@@ -121,20 +121,29 @@ def one_row(args, threads: int, before) -> list[dict]:
     return rows
 
 
-def prefill(args, threads: int) -> list[dict]:
+def gemm_pair(k: int, n: int, bits: int, g):
+    """A random mul1 k x n CpuLinear (its GEMM path on AMX where the CPU has it) and its twin on the fp32 BLAS path,
+    drawn from generator g (bench/cpu_linears.py uses the same pair)."""
     import torch
 
     from exl3local.kernels.cpu import ops
+
+    trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), dtype=torch.int16, generator=g)
+    lin = ops.CpuLinear(trellis, (torch.randn(k, generator=g) * k**-0.5).half(), torch.randn(n, generator=g).half(),
+                        bits, "mul1")
+    fp32 = ops.CpuLinear(lin.trellis, lin.suh, lin.svh, bits, "mul1")
+    fp32.amx = False
+    return lin, fp32
+
+
+def prefill(args, threads: int) -> list[dict]:
+    import torch
 
     torch.set_num_threads(threads)
     m, rows = args.prefill, []
     for k, n in SHAPES:
         g = torch.Generator().manual_seed(1)
-        trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * args.bits), dtype=torch.int16, generator=g)
-        lin = ops.CpuLinear(trellis, (torch.randn(k, generator=g) * k**-0.5).half(), torch.randn(n, generator=g).half(),
-                            args.bits, "mul1")
-        fp32 = ops.CpuLinear(lin.trellis, lin.suh, lin.svh, args.bits, "mul1")
-        fp32.amx = False
+        lin, fp32 = gemm_pair(k, n, args.bits, g)
         x = torch.randn(m, k, generator=g).bfloat16()
         w = torch.randn(n, k, generator=g).bfloat16()
         xf, wf = x.float(), w.float().t().contiguous()

@@ -140,20 +140,15 @@ def linear_prefill(args, cfg: dict) -> None:
     and on fp32 BLAS (the path before, and elsewhere) against vLLM's own bf16 linear (oneDNN on prepacked weights,
     what the bf16 engine runs), alternating in one process; best CPU ms of --repeat."""
     import torch
+    from cpu_host import gemm_pair  # noqa: PLC0415  (the sibling bench: the same random pair)
     from vllm import _custom_ops as vllm_ops
-
-    from exl3local.kernels.cpu import ops
 
     if args.threads:
         torch.set_num_threads(args.threads)
     hidden, inter, m = cfg["hidden_size"], cfg["intermediate_size"], args.prefill
     g = torch.Generator().manual_seed(0)
     for k, n in ((hidden, hidden), (hidden, 2 * inter), (inter, hidden)):
-        trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * args.bits), dtype=torch.int16, generator=g)
-        lin = ops.CpuLinear(trellis, (torch.randn(k, generator=g) * k**-0.5).half(), torch.randn(n, generator=g).half(),
-                            args.bits, "mul1")
-        fp32 = ops.CpuLinear(lin.trellis, lin.suh, lin.svh, args.bits, "mul1")
-        fp32.amx = False
+        lin, fp32 = gemm_pair(k, n, args.bits, g)
         x = torch.randn(m, k, generator=g).bfloat16()
         handler = vllm_ops.create_onednn_mm(torch.randn(n, k, generator=g).bfloat16().t(), 32)
         runs = {"bf16 (vLLM oneDNN)": lambda: vllm_ops.onednn_mm(handler, x, None),
