@@ -40,10 +40,11 @@ def bare(model: str, root: Path) -> float:
     t0 = time.monotonic()
     proc = subprocess.Popen(plan.spec.argv, env=spec_env, cwd=str(root), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+    engine = httpx.Client(transport=httpx.HTTPTransport(uds=plan.spec.uds))  # the engine serves on its socket only
     try:
         while True:
             try:
-                if httpx.get(plan.spec.health_url, timeout=2).status_code == 200:
+                if engine.get("http://engine/health", timeout=2).status_code == 200:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
@@ -51,6 +52,7 @@ def bare(model: str, root: Path) -> float:
                 raise SystemExit(f"bare vLLM exited with {proc.returncode}")
             time.sleep(0.1)
     finally:
+        engine.close()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()
 

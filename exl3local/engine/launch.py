@@ -53,19 +53,11 @@ class LaunchSpec:
     served_model_name: str
     tmpdir: str  # private TMPDIR: vLLM leaves ZMQ sockets there; removed after the group exits
     # vLLM's own Unix socket (`--uds`, in tmpdir): the daemon's endpoint on host:port forwards to it
-    uds: str | None = None
+    uds: str
 
     @property
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
-
-    @property
-    def health_url(self) -> str:
-        return f"http://{self.host}:{self.port}/health"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
 
 
 def chat_template(model_dir: Path) -> str | None:
@@ -189,6 +181,7 @@ def build(
     *,
     port: int,
     tmpdir: str,
+    uds: str,
     served_name: str | Sequence[str] | None = None,
     host: str = "127.0.0.1",
     python: str = sys.executable,
@@ -198,7 +191,6 @@ def build(
     gpus: Sequence[Any] = (),
     cards: Sequence[Any] = (),
     affinity: Sequence[int] | None = None,
-    uds: str | None = None,
     sleep_mode: bool = False,
 ) -> LaunchSpec:
     """model_dir: a local EXL3 checkpoint; profile: profiles.Profile; budget: budget.Budget;
@@ -210,7 +202,7 @@ def build(
     name = names[0] if names else profile.model.get("served_name") or model_dir.name
     argv = [
         python, "-P", "-m", LAUNCHER_MODULE, "serve", str(model_dir),
-        *(("--uds", uds) if uds else ("--host", host, "--port", str(port))),
+        "--uds", uds,  # the engine has no TCP port: only the daemon's endpoint (host:port) reaches it
         "--served-model-name", name, *names[1:],
         "--quantization", PLUGIN_NAME,
         "--max-model-len", str(budget.max_model_len),

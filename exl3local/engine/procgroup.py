@@ -28,10 +28,6 @@ class Process(Protocol):
 
 Spawn = Callable[[Any], Awaitable[Process]]
 Health = Callable[[Any], Awaitable[bool]]
-# (spec, engine pgid) -> None when the engine group itself listens on spec's port, else who does
-ListenerCheck = Callable[[Any, int], str | None]
-# (host, port) -> None when the port is free to bind, else who holds it
-PortCheck = Callable[[str, int], str | None]
 
 
 async def spawn_process(spec: Any) -> asyncio.subprocess.Process:
@@ -43,17 +39,13 @@ async def spawn_process(spec: Any) -> asyncio.subprocess.Process:
 
 
 async def http_health(spec: Any, timeout_s: float = 2.0) -> bool:
-    """GET /health on the engine port answers 200. A bare HTTP/1.0 request: this runs every
+    """GET /health on the engine's Unix socket answers 200. A bare HTTP/1.0 request: this runs every
     `liveness_poll_s` while READY, and an HTTP client per probe costs more than the probe."""
     writer = None
-    uds = getattr(spec, "uds", None)
     try:
         async with asyncio.timeout(timeout_s):
-            if uds:
-                reader, writer = await asyncio.open_unix_connection(uds)
-            else:
-                reader, writer = await asyncio.open_connection(spec.host, spec.port)
-            writer.write(f"GET /health HTTP/1.0\r\nHost: {spec.host}:{spec.port}\r\n\r\n".encode())
+            reader, writer = await asyncio.open_unix_connection(spec.uds)
+            writer.write(b"GET /health HTTP/1.0\r\nHost: engine\r\n\r\n")
             status_line = await reader.readline()
         return status_line.split(b" ", 2)[1:2] == [b"200"]
     except (OSError, TimeoutError):
@@ -61,20 +53,6 @@ async def http_health(spec: Any, timeout_s: float = 2.0) -> bool:
     finally:
         if writer is not None:
             writer.close()
-
-
-def engine_listener(spec: Any, pgid: int) -> str | None:
-    """None when a process of the engine's group listens on the engine port; else who does. An
-    engine on a Unix socket in its own 0700 temp dir has no port another user could take."""
-    if getattr(spec, "uds", None):
-        return None
-    if any(paths.listens(pid, spec.host, spec.port) for pid in group_members(pgid)):
-        return None
-    return paths.port_holder(spec.host, spec.port)
-
-
-def port_taken(host: str, port: int) -> str | None:
-    return None if paths.port_free(host, port) else paths.port_holder(host, port)
 
 
 def group_states(pgid: int, among: Sequence[int] | None = None) -> dict[int, str]:

@@ -5,19 +5,17 @@ back to STARTING after a delay; too many fast failures in a row → FAILED (the 
 reports the stderr tail). stop = STOPPING: SIGTERM to the process group, SIGKILL after
 `stop_timeout_s`; vLLM forks EngineCore and workers, so the group is signalled, never one pid.
 
-READY is believed only from our own engine: /health must answer 200 *and* the socket listening on
-the engine port must belong to the engine's process group (another process that took the port
-after a crash would otherwise collect users' prompts). The port is checked before every start, so
-a squatted port ends in FAILED naming its owner. READY is left the moment the leader is reaped
-(before its group is); a hang while READY (engine/liveness.py) kills the group and restarts it
-(docs/api.md, "When READY is said").
+READY is believed only from our own engine: it serves on a Unix socket in its own 0700 temp dir (no
+port another process could take; the daemon's endpoint holds the TCP port), and /health must answer
+200 there. READY is left the moment the leader is reaped (before its group is); a hang while READY
+(engine/liveness.py) kills the group and restarts it (docs/api.md, "When READY is said").
 
 The output pipe is always drained (engine/output.py). The first Python exception of a failed start
 is its `cause`; the same cause on two failed starts in a row is deterministic and ends in FAILED at
 once, with the cause as the first line of `last_error`.
 
 The decisions (`after_exit`, `backoff_delay_s`) are plain methods over an injected clock; the OS
-effects (spawn, health probe, listener owner, process states) are injected too, so unit tests
+effects (spawn, health probe, process states) are injected too, so unit tests
 drive them without processes (they live in procgroup.py; the start-error finder in cause.py).
 """
 
@@ -39,17 +37,13 @@ from exl3local.engine.cause import same_cause
 from exl3local.engine.output import EngineOutput
 from exl3local.engine.procgroup import (
     Health,
-    ListenerCheck,
-    PortCheck,
     Process,
     Spawn,
     States,
     Unkillable,
     end_group,
-    engine_listener,
     group_states,
     http_health,
-    port_taken,
     spawn_process,
 )
 
@@ -88,15 +82,11 @@ class Supervisor:
         on_spawn: Callable[[Any, Process], None] | None = None,
         on_reaped: Callable[[Any, Process], None] | None = None,
         kill_group: Callable[[int, float], Awaitable[bool]] = end_group,
-        listener: ListenerCheck = engine_listener,
-        port_check: PortCheck = port_taken,
         states: States = group_states,
     ) -> None:
         self.spawn = spawn
         self.health = health
         self.kill_group = kill_group
-        self.listener = listener
-        self.port_check = port_check
         self.states = states
         self.clock = clock
         self.policy = policy or Policy()
@@ -247,15 +237,6 @@ class Supervisor:
     async def _run(self) -> None:
         try:
             while True:
-                # an engine on its private Unix socket has no port (the daemon's endpoint holds that one)
-                holder = None if getattr(self.spec, "uds", None) else self.port_check(self.spec.host, self.spec.port)
-                if holder is not None:
-                    # Not a crash to retry: whatever holds the port would answer our users.
-                    self.exit_status = None
-                    self._set(self.give_up(
-                        f"port {self.spec.port} on {self.spec.host} is taken by {holder}, so the engine cannot "
-                        "listen there; not starting it (requests to that port would reach that process)"))
-                    return
                 proc = await self._launch()
                 if proc is None:
                     nxt = self.after_exit(None, "the engine could not be started")
@@ -284,7 +265,7 @@ class Supervisor:
             await self.output.drain(reader)  # the traceback of a failed start lands in the tail
             nxt = self._decide(outcome, status, detail)
             self._set(nxt)
-            await self._reap(proc, 0.0 if outcome in ("hung", "squatted") else self.policy.stop_timeout_s)
+            await self._reap(proc, 0.0 if outcome == "hung" else self.policy.stop_timeout_s)
             if self.unkillable:  # no restart beside processes that still hold the device
                 nxt = self.give_up(self.unkillable)
                 self._set(nxt)
@@ -293,10 +274,6 @@ class Supervisor:
             reader.cancel()
 
     def _decide(self, outcome: str, status: int | None, detail: str) -> EngineState:
-        if outcome == "squatted":
-            return self.give_up(
-                f"port {self.spec.port} on {self.spec.host} answers /health but is held by {detail}, not by the "
-                "engine; the engine was stopped so that no request is served by that process")
         return self.after_exit(status, self._reason(outcome, status, detail), self.output.cause.cause)
 
     def _reason(self, outcome: str, status: int | None, detail: str) -> str:
@@ -329,9 +306,6 @@ class Supervisor:
                 if done:
                     return "exit", proc.returncode, ""
                 if await self.health(self.spec):
-                    holder = self.listener(self.spec, proc.pid)
-                    if holder is not None:
-                        return "squatted", None, holder
                     self.ready_since = self.clock()
                     self._set(EngineState.READY)  # STARTING -> READY
                     break
@@ -361,7 +335,7 @@ class Supervisor:
         """The whole group goes, whatever happened to the leader; then its TMPDIR. Shielded and
         shared, so a stop() arriving mid-reap waits for the same clean-up instead of racing it.
         grace_s: how long SIGTERM may take before SIGKILL (0 for a stopped group: it cannot
-        handle SIGTERM, and a squatted start must not linger)."""
+        handle SIGTERM)."""
         if self._reaping is None or self._reaping[0] is not proc:
             self._reaping = (proc, asyncio.ensure_future(self._end(proc, grace_s)))
         task = self._reaping[1]

@@ -70,7 +70,7 @@ def test_launch_loads_the_tools_off_layer_only_when_tools_are_off_and_the_warm_u
     bud = budget.Budget(kv_budget_bytes=1, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=512, pinned=True)
     for vllm, tools_off in (({"tool_call_parser": "hermes", "enable_auto_tool_choice": True}, False), ({}, True)):
         prof = dataclasses.replace(profiles.load("cpu"), vllm=MappingProxyType(vllm))
-        argv = launch.build(model, prof, bud, port=18123, tmpdir=str(tmp_path), base_env={}).argv
+        argv = launch.build(model, prof, bud, port=18123, tmpdir=str(tmp_path), uds="engine.sock", base_env={}).argv
         layers = [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"]
         assert (launch.TOOLS_OFF_MIDDLEWARE in layers) is tools_off
         assert layers[-1] == launch.WARMUP_MIDDLEWARE

@@ -17,15 +17,16 @@ def _spec(tiny_models, tmp_path, profile_id="cpu", **kw):
     prof = profiles.load(profile_id)
     bud = budget.compute(hardware.cpu_device(24 * 2**30), budget.MemorySnapshot(24 * 2**30, 20 * 2**30),
                          manifest.read(model), prof)
-    return launch.build(model, prof, bud, port=18123, tmpdir=str(tmp_path / "t"), base_env={"PATH": "/bin"},
-                        parent_pid=4321, **kw), bud
+    return launch.build(model, prof, bud, port=18123, tmpdir=str(tmp_path / "t"), uds="engine.sock",
+                        base_env={"PATH": "/bin"}, parent_pid=4321, **kw), bud
 
 
-def test_cpu_spec_runs_our_launcher_on_loopback_with_a_pinned_kv(tiny_models, tmp_path):
+def test_cpu_spec_runs_our_launcher_on_its_own_socket_with_a_pinned_kv(tiny_models, tmp_path):
     spec, bud = _spec(tiny_models, tmp_path)
     argv = list(spec.argv)
     assert argv[:5] == [sys.executable, "-P", "-m", "exl3local.engine.launch", "serve"]
-    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "18123"
+    # the engine serves only on its Unix socket; host:port is the daemon's endpoint in front of it
+    assert argv[argv.index("--uds") + 1] == spec.uds and "--host" not in argv and "--port" not in argv
     assert argv[argv.index("--quantization") + 1] == "exl3"
     assert argv[argv.index("--disable-access-log-for-endpoints") + 1] == "/health,/metrics"
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(bud.kv_budget_bytes)
@@ -81,7 +82,7 @@ def test_engine_is_pinned_to_the_chosen_gpu_when_there_are_several(machine, tiny
     prof = profiles.load("xpu")
     b = budget.Budget(kv_budget_bytes=2**20, kv_budget_tokens=512, kv_bytes_per_token=2048, max_model_len=512,
                       pinned=True)
-    spec = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), gpu=gpu, gpus=gpus,
+    spec = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), uds="engine.sock", gpu=gpu, gpus=gpus,
                         base_env={"ZE_AFFINITY_MASK": "0"})
     assert spec.env["ZE_AFFINITY_MASK"] == "0"  # set by the user: kept
     assert spec.argv[spec.argv.index("--dtype") + 1] == "float16"  # Alchemist: no bf16 in vLLM XPU
@@ -94,15 +95,17 @@ def test_the_api_key_reaches_vllm_in_its_environment_only(tiny_models, tmp_path)
     prof = profiles.load("cpu")
     b = budget.Budget(kv_budget_bytes=2**20, kv_budget_tokens=512, kv_bytes_per_token=2048, max_model_len=512,
                       pinned=True)
-    from_file = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path),
+    from_file = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), uds="engine.sock",
                              base_env={launch.API_KEY_FILE_ENV: str(key_file), launch.API_KEY_ENV: "sk-from-env"})
     assert from_file.env["VLLM_API_KEY"] == "sk-from-file" and launch.API_KEY_ENV not in from_file.env
     assert not any("sk-from" in arg for arg in from_file.argv) and "sk-from" not in repr(from_file)
-    from_env = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), base_env={launch.API_KEY_ENV: "sk-env"})
+    from_env = launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), uds="engine.sock",
+                            base_env={launch.API_KEY_ENV: "sk-env"})
     assert from_env.env["VLLM_API_KEY"] == "sk-env"
-    assert "VLLM_API_KEY" not in launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), base_env={}).env
+    assert "VLLM_API_KEY" not in launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), uds="engine.sock",
+                                              base_env={}).env
     with pytest.raises(ConfigError, match="EXL3LOCAL_API_KEY_FILE=.*missing"):
-        launch.build(model, prof, b, port=1, tmpdir=str(tmp_path),
+        launch.build(model, prof, b, port=1, tmpdir=str(tmp_path), uds="engine.sock",
                      base_env={launch.API_KEY_FILE_ENV: str(tmp_path / "missing")})
     in_argv = profiles.with_overrides(prof, {"vllm.extra_args": '["--api-key", "sk-x"]'})
     with pytest.raises(ConfigError, match="--api-key in vllm.extra_args") as err:
@@ -129,7 +132,7 @@ def test_torch_compiles_are_cached_beyond_the_engines_private_temp_dir(tiny_mode
     assert not cache.startswith(spec.tmpdir)
     model = tiny_models["tiny-llama-exl3-4.0bpw"]
     bud = budget.Budget(kv_budget_bytes=1, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=512, pinned=True)
-    mine = launch.build(model, profiles.load("cpu"), bud, port=1, tmpdir=str(tmp_path / "t"),
+    mine = launch.build(model, profiles.load("cpu"), bud, port=1, tmpdir=str(tmp_path / "t"), uds="engine.sock",
                         base_env={"TORCHINDUCTOR_CACHE_DIR": "/mine"})
     assert mine.env["TORCHINDUCTOR_CACHE_DIR"] == "/mine"  # the user's own setting wins
 
@@ -141,9 +144,9 @@ def test_an_eager_cpu_engine_runs_vllms_sampler_helpers_without_torch_compile(ti
     model = tiny_models["tiny-llama-exl3-4.0bpw"]
     bud = budget.Budget(kv_budget_bytes=1, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=512, pinned=True)
     compiled = profiles.with_overrides(profiles.load("cpu"), {"vllm.enforce_eager": "false"})
-    assert "TORCHDYNAMO_DISABLE" not in launch.build(model, compiled, bud, port=1, tmpdir=str(tmp_path / "c"),
-                                                     base_env={}).env  # compiled mode: the user's choice
-    mine = launch.build(model, profiles.load("cpu"), bud, port=1, tmpdir=str(tmp_path / "m"),
+    compiled_spec = launch.build(model, compiled, bud, port=1, tmpdir=str(tmp_path / "c"), uds="engine.sock", base_env={})
+    assert "TORCHDYNAMO_DISABLE" not in compiled_spec.env  # compiled mode: the user's choice
+    mine = launch.build(model, profiles.load("cpu"), bud, port=1, tmpdir=str(tmp_path / "m"), uds="engine.sock",
                         base_env={"TORCHDYNAMO_DISABLE": "0"})
     assert mine.env["TORCHDYNAMO_DISABLE"] == "0"  # the user's own setting wins
     assert "TORCHDYNAMO_DISABLE" not in _spec(tiny_models, tmp_path, "b70")[0].env

@@ -66,7 +66,7 @@ def test_without_torchvision_the_engine_gets_the_stand_in_and_multimodal_models_
     bud = budget.compute(hardware.cpu_device(24 * 2**30), budget.MemorySnapshot(24 * 2**30, 20 * 2**30), man,
                          vl.profile)
     spec = launch.build(tiny_models["tiny-qwen35moe-vl-exl3-4.0bpw"], vl.profile, bud, port=18124,
-                        tmpdir=str(tmp_path), base_env={"PATH": "/bin"})
+                        tmpdir=str(tmp_path), uds="engine.sock", base_env={"PATH": "/bin"})
     assert "--language-model-only" in spec.argv and "--no-enable-prefix-caching" not in spec.argv
     assert spec.env["PYTHONPATH"].startswith(str(textonly.SHIM_DIR))
 

@@ -133,8 +133,7 @@ def harness(tmp_path):
     def states(pgid, among):  # the leader runs while its fake process has not exited
         return {p.pid: "S" for p in procs if p.pid == pgid and p.returncode is None}
 
-    sup = Supervisor(spawn=spawn, health=health, kill_group=kill_group, port_check=lambda host, port: None,
-                     listener=lambda spec, pgid: None, states=states, clock=JumpClock(),
+    sup = Supervisor(spawn=spawn, health=health, kill_group=kill_group, states=states, clock=JumpClock(),
                      policy=Policy(max_fast_failures=3, backoff_base_s=0.01, health_poll_s=0.01, exit_poll_s=0.01,
                                    liveness_poll_s=0.01))
     return sup, procs, healthy, killed, Spec(tmp_path)
@@ -219,27 +218,6 @@ def test_different_exceptions_keep_retrying():
     assert sup.after_exit(1, "exit 1", "OSError: a") == EngineState.BACKOFF
     assert sup.after_exit(1, "exit 1", "OSError: b") == EngineState.BACKOFF
     assert sup.after_exit(1, "exit 1", "OSError: b") == EngineState.FAILED  # the third fast failure anyway
-
-
-async def test_health_answered_by_another_process_ends_failed_and_kills_at_once(harness):
-    sup, procs, healthy, killed, spec = harness
-    sup.listener = lambda spec, pgid: "pid 4242 (squatter)"
-    grace = []
-    real_kill = sup.kill_group
-    sup.kill_group = lambda pgid, timeout: grace.append(timeout) or real_kill(pgid, timeout)
-    healthy["ok"] = True
-    await sup.start(spec)
-    await _until(sup, EngineState.FAILED)
-    assert "held by pid 4242 (squatter)" in sup.last_error and f"port {spec.port}" in sup.last_error
-    assert grace == [0.0] and procs[0].returncode == -15 and len(procs) == 1
-
-
-async def test_taken_port_before_a_start_fails_without_spawning(harness):
-    sup, procs, healthy, killed, spec = harness
-    sup.port_check = lambda host, port: "pid 77 (nc)"
-    await sup.start(spec)
-    await _until(sup, EngineState.FAILED)
-    assert procs == [] and f"port {spec.port} on {spec.host} is taken by pid 77 (nc)" in sup.last_error
 
 
 async def test_a_member_stopped_on_two_checks_is_a_hang_and_restarts(harness):
@@ -348,8 +326,7 @@ async def test_ready_is_never_said_for_a_leader_that_is_dead_but_not_yet_reaped(
     async def health(spec):
         return True
 
-    sup = Supervisor(health=health, listener=lambda spec, pgid: None, port_check=lambda host, port: None,
-                     policy=Policy(health_poll_s=0.01))
+    sup = Supervisor(health=health, policy=Policy(health_poll_s=0.01))
     await sup.start(spec)
     await _until(sup, EngineState.READY)
     pid = sup.snapshot()["engine_pid"]
