@@ -13,7 +13,7 @@ cd /tmp || exit 1
 for tier in avx512 avx2vnni avx2 portable; do python3 -P -m exl3local.kernels.cpu.build $tier & done; wait
 echo "built at +$(( $(date +%s) - start )) s"
 timeout ${TEST_SECONDS:-150} python3 -P -m pytest -q -rs -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
-  "$REPO"/tests/kernels/test_cpu.py "$REPO"/tests/kernels/test_cpu_amx.py "$REPO"/tests/kernels/test_cpu_int8.py \
+  "$REPO"/tests/kernels/test_cpu.py "$REPO"/tests/kernels/test_cpu_amx.py "$REPO"/tests/kernels/test_cpu_int8.py "$REPO"/tests/kernels/test_cpu_heap.py \
   "$REPO/tests/kernels/test_dispatch.py::test_cpu_chooses_the_cpu_kernel_then_the_reference" \
   "$REPO/tests/kernels/test_selftest.py::test_the_cpu_librarys_checks_are_named_for_the_path_that_serves_their_activations" \
   "$REPO/tests/kernels/test_selftest.py::test_the_cpu_gemm_check_refuses_either_amx_form_that_is_wrong" \

@@ -17,6 +17,12 @@ def register() -> None:
 
     selftest.set_publisher(publish_selftest)
 
+    # -- the CPU kernel's heap trim (issue 22): it needs the end of each model forward, and vLLM's ForwardContext
+    # lives exactly as long as one (kernels/cpu/heap.py).
+    from exl3local.kernels.cpu import heap
+
+    heap.set_forward_scope(current_forward)
+
 
 def publish_selftest(results: list, refused: dict[str, str]) -> None:
     """Self-test results and the paths they took out of service → this process's trace flags."""
@@ -27,3 +33,10 @@ def publish_selftest(results: list, refused: dict[str, str]) -> None:
         latched = dict(trace.counters().snapshot()["flags"].get("latched_off") or {})
         trace.set_flag("latched_off", {**latched, **refused})
     trace.counters().flush()  # now: a load that fails later still leaves the verdicts readable
+
+
+def current_forward():
+    """vLLM's context of the model forward running now, or None outside one."""
+    from vllm import forward_context
+
+    return forward_context.get_forward_context() if forward_context.is_forward_context_available() else None

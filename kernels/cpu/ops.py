@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 import threading
 
 import torch
 
 from exl3local import env
 from exl3local.kernels.codebook import CODEBOOKS, lut
-from exl3local.kernels.cpu import build
+from exl3local.kernels.cpu import build, heap
 
 # Rows up to which the one-pass GEMV beats decode-strip + BLAS here (bench/cpu_decode.py measures it:
 # docs/PERF.md, CPU section).
@@ -56,27 +55,6 @@ def _workspace(name: str, numel: int) -> torch.Tensor:
     if buf is None or buf.numel() < numel:
         buf = buffers[name] = torch.empty(numel, dtype=torch.float32)
     return buf[:numel]
-
-# glibc serves a block of at least its mmap threshold by mmap and unmaps it when freed. The threshold starts at 128 KiB
-# and rises to the size of every mmapped block freed (up to 32 MiB; the heap's trim threshold to twice that), so from
-# the first prefill on the engine's 512-row activations (2-11 MiB each) come from the heap, which keeps their pages once
-# they are freed: 55-60 MiB more resident after 512-token prefills at 16 layers (docs/PERF.md, CPU, session 15). A fixed
-# threshold (setting it stops the rise of both; the trim threshold stays at its 128 KiB default) hands blocks of
-# LARGE_BLOCK bytes and more back to the OS when freed.
-LARGE_BLOCK = 4 << 20
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-@functools.cache
-def release_large_frees() -> bool:
-    """Once per process (on binding a layer): freed blocks of LARGE_BLOCK bytes and more go back to the OS at once
-    instead of staying in the heap. glibc only (elsewhere nothing is changed); True where set."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK))
-
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -150,7 +128,7 @@ def _bits2(bits: float) -> int:
 def _bind_operands(op, lib: ctypes.CDLL, trellis: torch.Tensor, tiles_k: int, tiles_n: int, suh: torch.Tensor,
                    svh: torch.Tensor, bits: float, codebook: str) -> None:
     """The library calls' operands, set on `op` (a linear or an expert stack: they differ in tile dims only)."""
-    release_large_frees()
+    heap.release_large_frees()
     op.lib, op.trellis = lib, trellis
     op.tiles_k, op.tiles_n = tiles_k, tiles_n
     op.size_k, op.size_n = 16 * tiles_k, 16 * tiles_n
@@ -194,6 +172,7 @@ class CpuLinear:
         m = x.shape[0]
         threads = torch.get_num_threads()
         if m > GEMV_MAX_ROWS:
+            heap.trim_after_forward()
             return self._gemm(x, out_dtype, bias, threads)
         x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
         y = torch.empty(m, self.size_n, dtype=torch.float32)
