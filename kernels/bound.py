@@ -26,11 +26,11 @@ from exl3local.kernels.hadamard import HADAMARD_BLOCK, HADAMARD_SCALE
 from exl3local.kernels.bound_reconstruct import ReconstructLaunch
 from exl3local.kernels.launcher import DirectLaunch, Workspace, launch_mode
 from exl3local.kernels.selftest import one_launch_refusal
-from exl3local.kernels.triton_decode import rate_constants, words
+from exl3local.kernels.triton_decode import lanes_per_superlane, rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel, split_loads
 from exl3local.kernels.triton_gemv import (
-    FMA_ONE_ROW_BITS, TILE_ROWS, TILED_PROGRAMS_PER_CORE, choose_splits, exl3_gemv_ring_kernel, ring_config, ring_dot_config,
-    tiled_config,
+    FMA_ONE_ROW_BITS, TILE_ROWS, TILED_PROGRAMS_PER_CORE, choose_splits, compute_units, exl3_gemv_ring_kernel, ring_config,
+    ring_dot_config, tiled_config,
 )
 from exl3local.kernels.triton_hadamard import NATURAL, _input_kernel, hadamard_operands, rows_per_program
 
@@ -50,6 +50,22 @@ ONE_LAUNCH_MAX_WORK = 96 * 2048
 ONE_LAUNCH_MAX_UNITS = 64
 
 BLOCK_N = FUSED_BLOCK_N_TILES * 16
+# The decode matmul's weight operand in the matrix unit's fragment order (triton_decode.fragment_operand) where a
+# lane's decoded weights are a fragment (G = 1: 4 and 8 bits), up to MAX_ROWS rows; the tiled path (8 warps: not the
+# fragment's layout) keeps the ring order. False: the ring order everywhere (the bench's A/B).
+FRAGMENT_OPERAND = True
+# Register cap (CUDA maxnreg) of a 4-bit decode matmul launch whose grid is larger than one wave at 64 registers a
+# thread (ONE_WAVE_PROGRAMS programs of 4 warps per SM: 64K registers): 56 lets 9 programs stay per SM. H200, per group
+# graph µs against the launches as built (s16b, docs/PERF.md "Session 16"): 27B gate_up (1088 programs on 132 SMs)
+# -4.2 to -4.8 %, 35B-A3B qkv_proj (1152) -11 to -15 %, its MoE units (2048) -2.4 to -5 %; grids that fit lost 1-12 %
+# with the cap (a tighter allocation schedules worse), so they keep theirs. XPU has no such option.
+WAVE_MAX_REGISTERS = {4: 56}
+ONE_WAVE_PROGRAMS = 8
+
+
+def fragment_order(bits: float) -> bool:
+    """FRAG of the decode matmul at this rate (FRAGMENT_OPERAND)."""
+    return FRAGMENT_OPERAND and lanes_per_superlane(bits) == 1
 
 
 def tiled_max_rows() -> int:
@@ -105,16 +121,19 @@ class FusedLaunch:
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
                                 SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0, PAIRS=False,
                                 FLAT=True, GROUPED=False, x_ptr=svh, suh_ptr=suh, stride_xm=0, k_valid=self.size_k,
-                                x_div=1, IN_X=False, GLU=False)
+                                x_div=1, IN_X=False, GLU=False, FRAG=fragment_order(bits))
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
-        self.tiled_fixed = dict(self.fused_fixed, BM=TILE_ROWS, KT=tile_kt, k_steps=self.size_k // 16 // tile_kt)
+        self.tiled_fixed = dict(self.fused_fixed, BM=TILE_ROWS, KT=tile_kt, k_steps=self.size_k // 16 // tile_kt,
+                                FRAG=False)
         self.bits = bits
         self.splits: dict[int, tuple[int, int]] = {}
         self.tiled_splits: dict[int, tuple[int, int]] = {}
         self.plans: dict[tuple, tuple] = {}
         self.loads: int | None = None  # SL forced on every split-K matmul (tests, the bench); None: split_loads
+        self.wave_cap = WAVE_MAX_REGISTERS.get(bits) if self.device.type == "cuda" else None
+        self.capped: dict[int, DirectLaunch] = {}  # id(launch) -> its twin under wave_cap
 
     def loads_for(self, splits: int) -> int:
         """SL of a matmul launch of `splits` K splits (triton_fused.split_loads unless self.loads forces one)."""
@@ -132,9 +151,20 @@ class FusedLaunch:
         """Forget the call plans and the direct launches' argument templates, after a change to the fixed
         arguments (splits, FLAT: the bench's sweeps); the next call of each signature binds afresh."""
         self.plans.clear()
-        for launch in (self.input, self.fused, self.one, self.tiled, self.fma):
+        for launch in (self.input, self.fused, self.one, self.tiled, self.fma, *self.capped.values()):
             if launch is not None:
                 launch.compiled.clear()
+
+    def for_grid(self, launch: DirectLaunch, grid: tuple[int, int, int]) -> DirectLaunch:
+        """launch, or its twin under wave_cap registers where the grid is more than one wave of ONE_WAVE_PROGRAMS
+        programs per compute unit (WAVE_MAX_REGISTERS)."""
+        if self.wave_cap is None or grid[0] * grid[1] * grid[2] <= ONE_WAVE_PROGRAMS * compute_units(self.device):
+            return launch
+        twin = self.capped.get(id(launch))
+        if twin is None:
+            twin = self.capped[id(launch)] = DirectLaunch(launch.fn, launch.varying, launch.hooks is None,
+                                                          **dict(launch.options, maxnreg=self.wave_cap))
+        return twin
 
     def tiled_split_for(self, m_blocks: int) -> tuple[int, int]:
         """(splits, K steps per split) of the tiled path for m_blocks row tiles."""
@@ -190,7 +220,8 @@ class FusedLaunch:
             m_blocks = tiles * (2 if pairs else 1)
             splits, per_split = self.split_for(m_blocks)
             needs = (needs[0], splits * rows * self.size_n, m_blocks * self.n_blocks)
-            matmul = (self.fused, (self.n_blocks, splits, m_blocks),
+            grid = (self.n_blocks, splits, m_blocks)
+            matmul = (self.for_grid(self.fused, grid), grid,
                       dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs,
                            HAS_IDS=False, GROUPED=True, SL=self.loads_for(splits)))
         elif rows > MAX_ROWS and not self.experts:
@@ -206,10 +237,11 @@ class FusedLaunch:
         else:
             fixed = dict(self.fused_fixed, n_out=n_out, steps_per_split=per_split, SPLIT=splits > 1, PAIRS=pairs,
                          SL=self.loads_for(splits))
+            grid = (self.n_blocks, splits, m_blocks)
             if one:  # the matmul programs transform x themselves (triton_fused IN_X)
-                return self._keep(key, (None, needs, None, self.one, (self.n_blocks, splits, m_blocks),
+                return self._keep(key, (None, needs, None, self.for_grid(self.one, grid), grid,
                                         dict(fixed, IN_X=True, k_valid=k_valid, x_div=x_div, GLU=glu)))
-            matmul = (self.fused, (self.n_blocks, splits, m_blocks), fixed)
+            matmul = (self.for_grid(self.fused, grid), grid, fixed)
         return self._keep(key, ((-(-rows // block_m), self.k_blocks, 1), needs, input_fixed, *matmul))
 
     def _keep(self, key: tuple, plan: tuple) -> tuple:

@@ -20,7 +20,8 @@ GROUP_MAX_BLOCKS = 256
 # Register cap of a GroupLaunch's decode matmul on CUDA (ptxas maxnreg) at 4 bits: its PARTS mode took 72 registers
 # (43.75 % theoretical occupancy, h200-s7-ncu-qkvz-m1-flat.log); capped at 64 (no spills, 50 %), 27B in_proj_qkvz
 # ran 79 -> 53 µs in ncu and 74 -> 52 µs graph at M = 1, q/k/v 48 -> 46 µs (docs/dev/perf/h200-s8*-layers-config.log,
-# h200-s8c-ncu-qkvz-m1-cap64.log). Other rates unmeasured: uncapped. XPU has no such option: uncapped there.
+# h200-s8c-ncu-qkvz-m1-cap64.log). Other rates unmeasured: uncapped. XPU has no such option: uncapped there. A grid
+# larger than one wave at 64 takes bound.WAVE_MAX_REGISTERS' cap instead (FusedLaunch.for_grid).
 GROUP_MAX_REGISTERS = {4: 64}
 
 
@@ -87,10 +88,11 @@ class GroupLaunch(FusedLaunch):
             splits, per_split = self.split_for(1)
             fixed = dict(self.fused_fixed, n_out=0, steps_per_split=per_split, SPLIT=splits > 1,
                          SL=self.loads_for(splits))
+            grid = (self.n_blocks, splits, 1)
             if one:  # the matmul programs transform x themselves (triton_fused IN_X), each part with its suh
-                return self._keep(key, (None, self.needs(rows), None, self.one, (self.n_blocks, splits, 1),
+                return self._keep(key, (None, self.needs(rows), None, self.for_grid(self.one, grid), grid,
                                         dict(fixed, IN_X=True, k_valid=k_valid)))
-            matmul = (self.fused, (self.n_blocks, splits, 1), fixed)
+            matmul = (self.for_grid(self.fused, grid), grid, fixed)
         return self._keep(key, ((-(-units // block_m), self.k_blocks, 1), self.needs(rows), input_fixed, *matmul))
 
     def launch(self, x: torch.Tensor, y: torch.Tensor, rows: int, ids=None, x_div: int = 1,

@@ -5,7 +5,8 @@ Layouts (checkpoint = kernel; nothing is repacked):
     trellis  int16 (k/16, n/16, 16*bits) as stored, read as int32 (k/16, n/16, 8*bits) through a free
              `.view(torch.int32)`: word U[i] of a tile holds stream bits [32i, 32i+32) MSB-first (spec §2.2).
              MoE: stacked per expert, int16 (E, k/16, n/16, 16*bits).
-    operand  fp16 [16·KT, 16·BNT] = Ŵ of KT×BNT tiles in ring order (ring_operand, ring_rows, ring_cols).
+    operand  fp16 [16·KT, 16·BNT] = Ŵ of KT×BNT tiles in ring order (ring_operand, ring_rows, ring_cols), or at
+             4 and 8 bits in the MMA fragment's order (fragment_operand, natural rows, fragment_cols).
 
 Each weight's 16-bit state is the 16 stream bits that end its code (spec §2.3/§2.4), inside its own tile
 (tail-biting). Decoding in ring (trellis) order makes every word and bit offset a compile-time constant.
@@ -207,6 +208,33 @@ def ring_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA:
 
 
 @triton.jit
+def fragment_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA: tl.constexpr,
+                     HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr):
+    """Ŵ of KT×8 tiles at G = 1 (4 and 8 bits) as a [16·KT, 128] fp16 dot operand indexed so that every weight already
+    sits in the lane and register where the matrix unit takes it: with ring_tiles' flat layout over 4 warps (a tile's
+    bits 0-1 are the warp, bit 2 a register) and a lane's positions being the mma.m16n8k16 B fragment (spec §4), the
+    conversion to the dot operand is a renaming of registers, where ring_operand's order costs a shared-memory round
+    trip per K step (Triton 3.9's sm_90 compile of the 4-bit kernel: 173 -> 162 loop instructions per step, 66 -> 56
+    registers; bench/sass_loop.py). Rows are natural (k = 16·kt + row: u needs no reordering); columns in fragment
+    order (fragment_cols). H200 (Triton 3.6), per 27B/35B-A3B group: 1-3 % faster than the ring order but 27B gate_up
+    (3-4 % slower until its grid fits one wave: bound.WAVE_MAX_REGISTERS; docs/PERF.md "Session 16"). On Intel's DPAS
+    layout the conversion is whatever the backend makes of either order (unverified on Arc)."""
+    tl.static_assert(BNT == 8)
+    x = tl.reshape(_ring_positions(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, True),
+                   (KT, 2, 4, 8, 4, 2, 2, 2))
+    # [KT, tile>>2, tile&3, t>>2, t&3, j2, j1, j0] -> [KT, j1, t&3, j0 | tile>>2, j2, tile&3, t>>2]
+    x = tl.permute(x, (0, 6, 4, 7, 1, 5, 2, 3))
+    return tl.reshape(x, (16 * KT, 16 * BNT))
+
+
+@triton.jit
+def fragment_cols(c):
+    """In-block column of fragment-operand n index c (128 per block): tile 4·(c>>6) + ((c>>3)&3), j2 = (c>>5)&1,
+    t>>2 = c&7. A permutation of the index's bits, as ring_cols is, so H128 commutes with it (triton_fused)."""
+    return (c >> 6) * 64 + ((c >> 3) & 3) * 16 + ((c >> 5) & 1) * 8 + (c & 7)
+
+
+@triton.jit
 def natural_block(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA: tl.constexpr,
                   HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr):
     """Ŵ of KT×BNT tiles as [16·KT, 16·BNT] fp16 in natural (row, column) order: the ring positions put in
@@ -256,19 +284,24 @@ def ring_tiles(tn0, tiles_n, KT: tl.constexpr, BNT: tl.constexpr, W32: tl.conste
 @triton.jit
 def ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, tk0, steps, tn0, KA: tl.constexpr, HALF: tl.constexpr,
              W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr, BM: tl.constexpr, BNT: tl.constexpr,
-             KT: tl.constexpr, FLAT: tl.constexpr = True):
+             KT: tl.constexpr, FLAT: tl.constexpr = True, FRAG: tl.constexpr = False):
     """acc [BM, 16·BNT] fp32 = u[rm, K range] · Ŵ[K range, BNT tiles from tile column tn0], columns in ring
-    order, over `steps` steps of KT tile rows from tile row tk0: the K loop every ring dot kernel shares.
-    The operand is in ring order: the activations are loaded contiguously (coalesced: through ring_rows' index
-    the compiler saw no contiguity and Triton 3.6 laid a warp's load across 16 rows, 4 of 32 bytes used per
-    sector) and put in ring order in registers (ring_order_rows)."""
-    tile_off, s = ring_tiles(tn0, tiles_n, KT, BNT, W32, G, FLAT)
+    order (FRAG: fragment order), over `steps` steps of KT tile rows from tile row tk0: the K loop every ring dot
+    kernel shares. The operand is in ring order: the activations are loaded contiguously (coalesced: through
+    ring_rows' index the compiler saw no contiguity and Triton 3.6 laid a warp's load across 16 rows, 4 of 32 bytes
+    used per sector) and put in ring order in registers (ring_order_rows). FRAG (G = 1, BNT = 8): fragment_operand,
+    whose rows are natural, so u is used as loaded."""
+    tile_off, s = ring_tiles(tn0, tiles_n, KT, BNT, W32, G, FLAT or FRAG)
     row_base = w_base + tk0.to(tl.int64) * tiles_n * W32
     u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk0 * 16 + tl.arange(0, 16 * KT)[None, :]
     acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
     for _ in range(steps):
-        w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, FLAT)
-        u = ring_order_rows(tl.load(u_ptrs, mask=mask_m[:, None], other=0.0), BM, KT)
+        if FRAG:
+            w = fragment_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK)
+            u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
+        else:
+            w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, FLAT)
+            u = ring_order_rows(tl.load(u_ptrs, mask=mask_m[:, None], other=0.0), BM, KT)
         acc = tl.dot(u, w, acc)
         row_base += KT * tiles_n * W32
         u_ptrs += 16 * KT

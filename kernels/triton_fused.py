@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from exl3local.kernels.triton_decode import ring_cols, ring_dot
+from exl3local.kernels.triton_decode import fragment_cols, ring_cols, ring_dot
 from exl3local.kernels.triton_hadamard import unit_expert
 from exl3local.kernels.triton_sync import cta_barrier, global_fence
 
@@ -74,14 +74,16 @@ def had128_rows(v, BM: tl.constexpr):
 @triton.jit
 def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bias_ptr, y_ptr, stride_ym, n_out,
                  HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, RING: tl.constexpr, map_ptr=None, map_mul=1, map_add=0,
-                 ROWMAP: tl.constexpr = False, SL: tl.constexpr = SPLIT_LOADS):
+                 ROWMAP: tl.constexpr = False, SL: tl.constexpr = SPLIT_LOADS, FRAG: tl.constexpr = False):
     """y rows [row0, row0 + rows) of the 128-column block at col0 from the stored split partials (columns in
-    ring order if RING, else natural), EPILOGUE_ROWS at a time (a whole 16-row tile at once needed ~100
+    ring order if RING, fragment order if RING and FRAG, else natural), EPILOGUE_ROWS at a time (a whole 16-row tile at once needed ~100
     registers and set the kernel's occupancy), SL splits' partials loaded per step of the sum. ROWMAP: the rows are
     positions into map_ptr, and position r's partials and output are at row map[r]·map_mul + map_add (a grouped MoE
     tile's expert-sorted units)."""
     c = tl.arange(0, 128)
-    if RING:
+    if RING and FRAG:
+        cols = col0 + fragment_cols(c)
+    elif RING:
         cols = col0 + ring_cols(c)
     else:
         cols = col0 + c
@@ -146,7 +148,8 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                       CODEBOOK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                       SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0,
                       PAIRS: tl.constexpr = False, FLAT: tl.constexpr = True, GROUPED: tl.constexpr = False,
-                      IN_X: tl.constexpr = False, GLU: tl.constexpr = False, SL: tl.constexpr = SPLIT_LOADS):
+                      IN_X: tl.constexpr = False, GLU: tl.constexpr = False, SL: tl.constexpr = SPLIT_LOADS,
+                      FRAG: tl.constexpr = False):
     """y = H(u·Ŵ)⊙svh (+ bias) for BM rows of u (MoE: one unit in row 0) × 128 columns, one K split.
     u is (M, k) fp16, contiguous; y keeps the first n_out columns, rows stride_ym apart (a part of a fused
     layer writes its slice of the layer's output in place).
@@ -164,6 +167,8 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
     pid_m is tile pid_m // 2's part pid_m % 2: unit rows 2·order + part through expert row 2·e + part.
 
     FLAT: the trellis words loaded through flat indices (triton_decode.ring_tiles), lane-linear whatever the rate.
+    FRAG (4 and 8 bits): the decoded operand in the matrix unit's fragment order (triton_decode.fragment_operand), no
+    shared-memory round trip of the weights; the columns come out in fragment order (finish_block maps them).
 
     IN_X (dense rows and MoE units, not GROUPED): the program computes u for its own rows and K range from x (k_valid
     features, rows stride_xm apart; suh_ptr the part's suh, with PARTS the parts' stacked suh, with HAS_IDS the
@@ -192,7 +197,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
             cta_barrier(cnt_ptr, M)  # this program's u stores are visible to all its threads before the K loop
         acc = ring_dot(u_ptr, w_ptr + tl.multiple_of(tl.load(row), 16), rm * PARTS + tl.load(row + 5), mask_m, size_k, part_n,
                        pid_s * steps_per_split * KT, steps_per_split, local_n * BNT, KA, HALF, W32, G, CODEBOOK, BM,
-                       BNT, KT, FLAT)
+                       BNT, KT, FLAT, FRAG)
         c = tl.arange(0, 128)
         z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]
         tl.store(z_ptr + pid_s * stride_zs + z_offs, acc, mask=mask_m[:, None])
@@ -211,7 +216,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
         if finish:
             finish_block(z_ptr + part_cols, stride_zs, splits, pid_m * BM, tl.minimum(M - pid_m * BM, BM), size_n,
                          local_n * 128, svh_ptr + part_cols, bias_ptr + y_col, y_ptr + y_col, stride_ym,
-                         tl.load(row + 3), HAS_BIAS, SCALE, True, SL=SL)
+                         tl.load(row + 3), HAS_BIAS, SCALE, True, SL=SL, FRAG=FRAG)
         return
     steps = steps_per_split
     part = 0
@@ -258,7 +263,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                        steps_per_split * KT * 16, row0, rows, 1, 0, SCALE)
             cta_barrier(cnt_ptr, M)  # as above
     acc = ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, pid_s * steps_per_split * KT, steps,
-                   pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT, FLAT)
+                   pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT, FLAT, FRAG)
     # Every split stores its partial; the last one to arrive (or the only one) finishes the block.
     c = tl.arange(0, 128)
     z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]
@@ -271,7 +276,8 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
             tl.store(lock, 0)
             global_fence(cnt_ptr, M)  # as above
             finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, pid_n * 128, svh_base, bias_base, y_ptr,
-                         stride_ym, n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED, SL)
+                         stride_ym, n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED, SL,
+                         FRAG)
     else:
         finish_block(z_ptr, stride_zs, 1, row0, rows, size_n, pid_n * 128, svh_base, bias_base, y_ptr, stride_ym,
-                     n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED, SL)
+                     n_out, HAS_BIAS, SCALE, True, ids_ptr, 2 if PAIRS else 1, part, GROUPED, SL, FRAG)

@@ -143,7 +143,8 @@ def main() -> None:
                       dict(IN_X=True, HAS_IDS=True, PAIRS=True), dict(IN_X=True, HAS_IDS=True, GLU=True),  # MoE units
                       dict(GROUPED=True, PAIRS=True),  # MoE over expert-sorted tiles: gate/up pairs
                       dict(BM=triton_gemv.TILE_ROWS, PARTS=3),  # the tiled path (more than 16 rows), grouped
-                      dict(SL=triton_fused.MANY_SPLIT_LOADS)],  # launches of many splits: more partials per step
+                      dict(SL=triton_fused.MANY_SPLIT_LOADS),  # launches of many splits: more partials per step
+                      dict(FRAG=False)],  # the ring order at a fragment rate (the bench's A/B)
         ("3inst", 2): [dict(SPLIT=False)],
         ("mcg", 3): [dict(FLAT=False),  # words as [KT, BNT, 32/G] loads, at a rate whose super-lanes span 3 words
                      dict(GROUPED=True)],  # MoE tiles: down
@@ -155,11 +156,12 @@ def main() -> None:
         block_nt, block_kt, warps = triton_gemv.ring_dot_config(bits)
         tile_kt, tile_warps = triton_gemv.tiled_config(bits)
         for changed in [{}, *others]:
-            constants = dict(rate, **served, KT=block_kt)
+            # the weight operand in fragment order where a lane's weights are a fragment (bound.fragment_order)
+            constants = dict(rate, **served, KT=block_kt, FRAG=rate["G"] == 1)
             constants.update(changed)
             tiled = constants["BM"] == triton_gemv.TILE_ROWS  # 64-row tiles: their own KT and warps
             if tiled:
-                constants["KT"] = tile_kt
+                constants.update(KT=tile_kt, FRAG=False)
             # with GROUPED, ids_ptr is the int32 tile table
             args = dict(FUSED_ARGS, ids_ptr="*i32") if constants["GROUPED"] else FUSED_ARGS
             # the partials before the epilogue (split-K: before the counter, and the acquired partials after it), u

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 
@@ -37,3 +40,26 @@ def test_launches_of_many_splits_load_eight_partials_at_a_time():
     from exl3local.kernels import triton_fused
 
     assert [triton_fused.split_loads(s) for s in (1, 2, 4, 8, 16, 32, 64)] == [4, 4, 4, 4, 8, 8, 8]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="binding a launch needs a GPU or TRITON_INTERPRET=1")
+def test_a_grid_of_more_than_one_wave_takes_the_register_capped_twin(kernel_device):
+    """On CUDA a 4-bit decode matmul whose grid is more than ONE_WAVE_PROGRAMS programs per compute unit launches
+    under WAVE_MAX_REGISTERS (bound.FusedLaunch.for_grid); one twin per launch, its other options kept; elsewhere
+    no cap."""
+    from exl3local.kernels import bound
+    from exl3local.kernels.triton_gemv import compute_units
+
+    launch = bound.FusedLaunch(torch.zeros(8, 8, 32, dtype=torch.int16, device=kernel_device),
+                               torch.ones(128, device=kernel_device).half(), torch.ones(128, device=kernel_device).half(),
+                               4, "mul1")
+    cap = bound.WAVE_MAX_REGISTERS[4]
+    assert launch.wave_cap == (cap if launch.device.type == "cuda" else None)
+    launch.wave_cap = cap
+    one_wave = bound.ONE_WAVE_PROGRAMS * compute_units(launch.device)
+    assert launch.for_grid(launch.fused, (one_wave, 1, 1)) is launch.fused
+    twin = launch.for_grid(launch.fused, (1, one_wave + 1, 1))
+    assert twin.options == dict(launch.fused.options, maxnreg=cap) and twin.varying == launch.fused.varying
+    assert launch.for_grid(launch.fused, (one_wave, 2, 1)) is twin
+    assert launch.for_grid(launch.one, (one_wave + 1, 1, 1)).varying == launch.one.varying

@@ -98,3 +98,24 @@ def test_ring_kernel_decodes_bit_exactly(make_layer, kernel_device, codebook, bi
     one_hot = torch.eye(32, dtype=torch.float16, device=kernel_device)[picked]
     z = ring_partials(one_hot, trellis, bits, codebook, 2, 8, splits=2).sum(0)
     assert _same_bits(z.half(), expected[picked]) == 0
+
+
+@pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 8)])
+def test_fragment_order_operand_serves_g1_rates_like_the_ring_order(make_layer, emulate, relative_error,
+                                                                    kernel_device, codebook, bits):
+    """At G = 1 (4 and 8 bits) the fused kernel takes Ŵ in the matrix unit's fragment order (triton_decode.
+    fragment_operand, natural rows, columns through fragment_cols): served, and within fp32 noise of the emulation
+    like the ring order beside it (a weight in a wrong row or a column stored in a wrong place is an error of ~1)."""
+    from exl3local.kernels.bound import FusedLaunch
+
+    trellis, suh, svh = make_layer(256, 256, bits, codebook, seed=21)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(21)).to(kernel_device)
+    expected = emulate(x, trellis, suh, svh, bits, codebook)
+    for frag in (True, False):
+        launch = FusedLaunch(trellis, suh, svh, bits, codebook)
+        assert launch.fused_fixed["FRAG"]
+        launch.fused_fixed["FRAG"] = frag
+        launch.splits[1] = (2, launch.k_steps // 2)
+        y = torch.empty(3, 256, device=kernel_device)
+        launch.launch(x, y, 3)
+        assert relative_error(y, expected) < 2e-5, frag
