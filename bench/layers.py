@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from exl3_side import Exl3Side  # noqa: E402
 from kernels_common import host_us  # noqa: E402
-from model_step import MODELS, Linear, layer_ops, with_tiled_rows  # noqa: E402
+from model_build import MODELS, Linear, layer_ops, with_tiled_rows  # noqa: E402
 from step_timing import DEVICE, eager_us, graph_us, log  # noqa: E402
 
 from exl3local.kernels.bound import BoundLinear  # noqa: E402

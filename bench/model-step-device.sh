@@ -17,6 +17,14 @@
 #   PLAN=pieces (session 15): the GPU tests of the reconstruct path (TESTS), bench/prefill_pieces.py (the input
 #     transform's row blocks, the W_r rebuild's variants and cuts, 27B steps at 4096/2048), then bench/model_step.py at
 #     ROWS (1,4,16,64), every cell's eager timed first.
+#   PLAN=frag (session 16): the fragment-order operand's tests (TESTS), then bench/one_launch.py --variants: whole steps
+#     and per-group graph µs of both models at ROWS (default 1,4,16) with the weight operand in ring order and register
+#     caps (VARIANTS) beside the served code, exllamav3 per group.
+#   PLAN=final (session 16): bench/model_step.py at ROWS (default 1,4,16,64, every eager cell first), the served
+#     code's A/B (bench/one_launch.py --variants VARIANTS at 27B M = 1, 4 and 35B-A3B M = 16), then the GPU test set
+#     as three pytest processes side by side until +TEST_END s (their logs tests_*.log) and, beside them, bench/prefill_forms.py's and
+#     prefill_pieces.py's 27B steps at 512 rows (do they run: their times then mean nothing) and bench/sass_loop.py (the
+#     decode loop as the device's Triton compiles it).
 #   PLAN=moe: the GPU tests; 35B steps with the MoE over expert-sorted tiles vs one unit per program (--units) vs
 #     exllamav3 at ROWS (default 64,512,16,4096,4); then the 27B decode configs (bench/layers.py config, M = 1, 4).
 set -u
@@ -59,6 +67,32 @@ elif [ "$PLAN" = pieces ]; then
   echo "prefill pieces done at +$(( $(date +%s) - start )) s"
   run model_step.py --rows ${ROWS:-1,4,16,64} --tag model_step --deadline $(( start + ${TOTAL_SECONDS:-570} )) 2>&1 \
     | tee "$OUT/model_step.log" | grep -v '^{'
+elif [ "$PLAN" = frag ]; then
+  TEST_SECONDS=${TEST_SECONDS:-90} tests ${TESTS:-"$REPO"/tests/kernels/test_triton_decode.py}
+  run one_launch.py --variants ${VARIANTS:-8:0:0:0:0,8:0:0:0:1:48,8:0:0:0:0:48,8:0:0:0:1:56} --models 27b,35b-a3b \
+    --rows ${ROWS:-1,4,16} --tag one_launch_frag --deadline $(( start + ${TOTAL_SECONDS:-300} )) 2>&1 \
+    | tee "$OUT/one_launch_frag.log" | grep -v '^{'
+elif [ "$PLAN" = final ]; then
+  run model_step.py --rows ${ROWS:-1,4,16,64} --tag model_step --deadline $(( start + ${STEP_SECONDS:-200} )) 2>&1 \
+    | tee "$OUT/model_step.log" | grep -v '^{'
+  echo "model steps done at +$(( $(date +%s) - start )) s"
+  for cell in ${CELLS:-27b:1,4 35b-a3b:16}; do
+    run one_launch.py --variants ${VARIANTS:-8:0:0:0:0,8:0:0:0:1:-1,8:0:0:0:0:-1} --models ${cell%%:*} \
+      --rows ${cell#*:} --tag "one_launch_final_${cell%%:*}" --deadline $(( start + ${VARIANT_SECONDS:-300} )) 2>&1 \
+      | grep -v '^{' >> "$OUT/one_launch_final.log"
+  done
+  echo "variants done at +$(( $(date +%s) - start )) s"
+  part() { (cd /tmp && timeout $(( start + ${TEST_END:-560} - $(date +%s) )) python3 -P -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
+    -c "$REPO/pyproject.toml" "${@:2}" > "$OUT/tests_$1.log" 2>&1; echo "rc $? at +$(( $(date +%s) - start )) s" >> "$OUT/tests_$1.log"); }
+  part bound "$REPO"/tests/kernels/test_bound.py "$REPO"/tests/kernels/test_triton_linear.py \
+    "$REPO"/tests/kernels/test_split_k.py "$REPO"/tests/kernels/test_triton_decode.py &
+  part gpu_moe "$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_triton_moe.py &
+  part selftest "$REPO"/tests/kernels/test_selftest.py -k "not cpu" &
+  (run prefill_forms.py --steps-only --step-rows 512; run prefill_pieces.py --rows 1024 --step-rows 512) \
+    > "$OUT/prefill_steps.log" 2>&1 &
+  (cd /tmp && python3 -P "$REPO/bench/sass_loop.py" > "$OUT/sass_loop.log" 2>&1) &
+  wait
+  tail -n 3 "$OUT"/tests_*.log
 elif [ "$PLAN" = moe ]; then
   tests ${TESTS:-"$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_bound.py \
     "$REPO"/tests/kernels/test_triton_gpu.py}

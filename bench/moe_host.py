@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from kernels_common import host_us  # noqa: E402
-from model_step import MODELS, Experts  # noqa: E402
+from model_build import MODELS, Experts  # noqa: E402
 from step_timing import eager_us, graph_us, log  # noqa: E402
 
 from exl3local.kernels import moe_layer  # noqa: E402

@@ -4,15 +4,17 @@ launches, host µs per step), plus how far the one-launch outputs are from the t
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
 bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
 in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
---variants S:L[:E[:D]],..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT = S
-(each split-K split keeps at least S K steps), SL = L on every launch (split partials loaded per step of the finishing
-sum; 0: triton_fused.split_loads by each launch's split count, as served) and the MoE projections' splits times 2**E
-(the linears' 2**D), then the served values re-timed (again); and per projection group (every layer's calls of one
-name: in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each
-chose.
+--variants S:L[:E[:D[:F[:R]]]],..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT
+= S (each split-K split keeps at least S K steps), SL = L on every launch (split partials loaded per step of the
+finishing sum; 0: triton_fused.split_loads by each launch's split count, as served), the MoE projections' splits times
+2**E (the linears' 2**D), F = 0 the decode matmul's weight operand in ring order where the fragment order serves (1: as
+served, kernels/bound.fragment_order) and R > 0 a register cap (CUDA maxnreg) on every decode matmul launch (0: as
+built; -1: as built without the cap by grid size, bound.WAVE_MAX_REGISTERS), then the served values re-timed (again); and per projection group (every layer's calls of one name:
+in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each chose.
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
     python3 -P bench/one_launch.py --variants 1:1,1:4,8:1 --rows 4,1,16 --out $OUT    # split-K A/B + groups
+    python3 -P bench/one_launch.py --variants 8:0:0:0:0,8:0:0:0:1:-1 --out $OUT      # operand order, register caps
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from exl3_side import Exl3Side  # noqa: E402
-from model_step import build, layer_ops, patched_step, runner, step_fns  # noqa: E402
+from model_build import build, layer_ops  # noqa: E402
+from model_step import patched_step, runner, step_fns  # noqa: E402
 from step_timing import graph_us, log, measure  # noqa: E402
 
 from exl3local.kernels import bound, triton_gemv  # noqa: E402
+from exl3local.kernels.launcher import DirectLaunch  # noqa: E402
+from exl3local.kernels.triton_fused import exl3_fused_kernel  # noqa: E402
 
 
 def two_launch(step):
@@ -86,6 +91,8 @@ def difference(layers, rows: int) -> dict:
 
 
 SHIFTS = [0, 0]  # the MoE and the dense launches' split scales (powers of two) configure() set last
+KNOBS = [1, 0]  # the operand order (1: as served) and register cap (0: as built) configure() set last
+BUILT: dict[int, tuple] = {}  # id(launch) -> its decode matmul launches and FRAG as built
 
 
 def op_launches(kind: str, obj) -> list:
@@ -100,12 +107,29 @@ def launches_of(layers):
             yield from op_launches(kind, obj)
 
 
-def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: int = 0) -> tuple[int, ...]:
+def operand(launch, frag: int, cap: int) -> None:
+    """launch's decode matmul with its weight operand in ring order if frag is 0 (as built if 1), under a register
+    cap of `cap` (CUDA maxnreg) on every grid if cap > 0, as built if 0, as built but with no cap by grid size
+    (bound.WAVE_MAX_REGISTERS) if -1."""
+    fused, one, frag_built, wave_cap = BUILT.setdefault(id(launch), (launch.fused, launch.one,
+                                                                     launch.fused_fixed["FRAG"], launch.wave_cap))
+    launch.fused_fixed["FRAG"] = frag_built and bool(frag)
+    launch.fused, launch.one = fused, one
+    launch.wave_cap = wave_cap if cap == 0 else None
+    if cap > 0:
+        launch.fused = DirectLaunch(exl3_fused_kernel, fused.varying, fused.hooks is None,
+                                    **dict(fused.options, maxnreg=cap))
+        launch.one = DirectLaunch(exl3_fused_kernel, one.varying, one.hooks is None, **dict(one.options, maxnreg=cap))
+
+
+def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: int = 0, frag: int = 1,
+              cap: int = 0) -> tuple[int, ...]:
     """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum; 0: by
     split count), scale the MoE projections' splits by 2**moe_shift and the linears' by 2**dense_shift (as far as
-    the K steps divide), and forget every launch's splits and plans (chosen again on the next call, outside any
-    timing: measure and graph_us warm up first). Returns the values it replaced."""
-    old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).loads or 0, *SHIFTS
+    the K steps divide), set the operand order and register cap (operand()), and forget every launch's splits and
+    plans (chosen again on the next call, outside any timing: measure and graph_us warm up first). Returns the values
+    it replaced."""
+    old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).loads or 0, *SHIFTS, *KNOBS
     triton_gemv.MIN_STEPS_PER_SPLIT = steps
     for ops in layers:
         for kind, obj, _ in ops:
@@ -113,11 +137,13 @@ def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: i
             for launch in op_launches(kind, obj):
                 launch.loads = loads or None
                 launch.splits.clear()
+                operand(launch, frag, cap)
                 launch.replan()
                 launch.__dict__.pop("split_for", None)
                 if shift:
                     launch.split_for = shifted_splits(launch, shift)
     SHIFTS[:] = moe_shift, dense_shift
+    KNOBS[:] = frag, cap
     return old
 
 
@@ -149,20 +175,21 @@ def by_group(cfg, layers, step) -> dict:
 
 
 def variants_ab(cfg, layers, rows: int, variants: list[tuple[int, ...]], exl3_ok: bool) -> dict:
-    """Whole steps and per-group graph µs at each (split floor, split loads[, MoE split shift[, dense split shift]])
-    variant, the served one first and again last; exllamav3 per group."""
+    """Whole steps and per-group graph µs at each (split floor, split loads[, MoE split shift[, dense split shift[,
+    operand order[, register cap]]]]) variant, the served one first and again last; exllamav3 per group."""
     ours, theirs, _ = step_fns(cfg, layers, rows)
-    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0, 0
+    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0, 0, 1, 0
     row, groups, chosen = {}, {}, {}
+    names = ("m{}", "_l{}", "_e{:+d}", "_d{:+d}", "_f{}", "_r{:d}")
     tags = [(f"served_m{served[0]}_l{served[1]}", served)] + [
-        (f"m{v[0]}_l{v[1]}" + (f"_e{v[2]:+d}" if len(v) > 2 else "") + (f"_d{v[3]:+d}" if len(v) > 3 else ""),
-         (*v, 0, 0)[:4]) for v in variants]
-    for tag, (steps, loads, moe_shift, dense_shift) in tags + [("again", served)]:
-        old = configure(layers, steps, loads, moe_shift, dense_shift)
+        ("".join(name.format(value) for name, value in zip(names, v)), (*v, *served[len(v):])) for v in variants]
+    for tag, knobs in tags + [("again", served)]:
+        old = configure(layers, *knobs)
         try:
             ours()
             chosen[tag] = splits_chosen(cfg, layers)
-            if tag not in (tags[0][0], "again") and loads == served[1] and chosen[tag] == chosen[tags[0][0]]:
+            if tag not in (tags[0][0], "again") and knobs[1] == served[1] and knobs[4:] == served[4:] \
+                    and chosen[tag] == chosen[tags[0][0]]:
                 row[tag] = "the served launches"  # the same splits and loads: nothing to time
                 continue
             row[tag] = measure(ours, rows, True)
@@ -203,8 +230,9 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tag", default="one_launch")
     parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
-    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT[:DENSE]],...: split floors, split loads, "
-                        "MoE splits x 2**SHIFT, linears' splits x 2**DENSE, A/B against the served ones (8:4,8:0:0:1)")
+    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT[:DENSE[:FRAG[:CAP]]]],...: split floors, "
+                        "split loads, MoE splits x 2**SHIFT, linears' splits x 2**DENSE, operand order (0: ring), "
+                        "register cap, A/B against the served ones (8:4,8:0:0:1,8:0:0:0:0)")
     args = parser.parse_args()
     exl3 = None if args.no_exl3 else Exl3Side()
     results = []

@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from exl3_side import Exl3Side  # noqa: E402
-from model_step import build, patched_step, step_fns  # noqa: E402
-from step_timing import eager_us, graph_us, log  # noqa: E402
+from model_build import build  # noqa: E402
+from model_step import eager_steps, patched_step, step_fns  # noqa: E402
+from step_timing import graph_us, log  # noqa: E402
 
 from exl3local.kernels import triton_decode, triton_gemm  # noqa: E402
 from exl3local.kernels.bound_reconstruct import ReconstructLaunch  # noqa: E402
@@ -96,27 +97,15 @@ def parts(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[
 
 
 def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[dict]:
-    cfg, layers = build("27b", 4, "mul1", exl3)
-    results = []
-    for rows in rows_list:
-        if deadline and time.time() > deadline:
-            log(f"(skipping 27b M={rows}: past the deadline)")
-            continue
-        ours, theirs, _ = step_fns(cfg, layers, rows)
-
+    def variants(ours, theirs, layers, row):
         def swap():
             old = triton_gemm.HY_MAX_ROWS, triton_gemm.HY_K_PER_ROW
             triton_gemm.HY_MAX_ROWS, triton_gemm.HY_K_PER_ROW = BEFORE
             return lambda: (setattr(triton_gemm, "HY_MAX_ROWS", old[0]), setattr(triton_gemm, "HY_K_PER_ROW", old[1]))
 
-        row = dict(model="27b", rows=rows)
-        for tag, fn in (("served", ours), ("rule_before", patched_step(ours, swap)), ("again", ours),
-                        ("exl3", theirs if exl3 is not None else None)):
-            if fn is not None:
-                row[tag] = round(eager_us(fn, min_s=1.5, max_reps=8 if rows > 1024 else 30) / 1e3, 2)
-        log(json.dumps(row))
-        results.append(row)
-    return results
+        return ("served", ours), ("rule_before", patched_step(ours, swap)), ("again", ours), ("exl3", theirs)
+
+    return eager_steps(exl3, rows_list, deadline, variants)
 
 
 def profile(exl3: Exl3Side | None, rows_list: list[int]) -> list[dict]:

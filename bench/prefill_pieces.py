@@ -29,8 +29,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from exl3_side import Exl3Side  # noqa: E402
-from model_step import build, patched_step, step_fns  # noqa: E402
-from step_timing import eager_us, graph_us, log  # noqa: E402
+from model_step import eager_steps, patched_step  # noqa: E402
+from step_timing import graph_us, log  # noqa: E402
 
 from exl3local.kernels import triton_decode, triton_gemm, triton_hadamard  # noqa: E402
 from exl3local.kernels.bound_reconstruct import REBUILD_VARYING  # noqa: E402
@@ -191,34 +191,21 @@ def rebuild_swap(layers, kernel, stages: int, config: str | None = None, **extra
 
 
 def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float, best: str | None = None) -> list[dict]:
-    cfg, layers = build("27b", 4, "mul1", exl3)
-    results = []
-    for rows in rows_list:
-        if deadline and time.time() > deadline:
-            log(f"(skipping 27b M={rows}: past the deadline)")
-            continue
-        ours, theirs, _ = step_fns(cfg, layers, rows)
-
+    def variants(ours, theirs, layers, row):
         def swap():
             old, triton_hadamard.INPUT_ROW_BLOCKS = triton_hadamard.INPUT_ROW_BLOCKS, 1
             return lambda: setattr(triton_hadamard, "INPUT_ROW_BLOCKS", old)
 
-        row = dict(model="27b", rows=rows, input_row_blocks=triton_hadamard.input_row_blocks(rows))
-        mine = (("served", ours), ("input_rb1", patched_step(ours, swap)),
-                ("rebuild_stages3", patched_step(ours, rebuild_swap(layers, triton_gemm._right_reconstruct_kernel, 3))),
-                (f"rebuild_{best}" if best else "natural_rebuild",
-                 patched_step(ours, rebuild_swap(layers, triton_gemm._right_reconstruct_kernel,
-                                                 triton_gemm.REBUILD_STAGES, best) if best else
-                              rebuild_swap(layers, _rebuild_cut_kernel, 1, CUT=3))),
-                ("again", ours))
+        row["input_row_blocks"] = triton_hadamard.input_row_blocks(row["rows"])
+        kernel = triton_gemm._right_reconstruct_kernel
+        last = (f"rebuild_{best}", rebuild_swap(layers, kernel, triton_gemm.REBUILD_STAGES, best)) if best else \
+            ("natural_rebuild", rebuild_swap(layers, _rebuild_cut_kernel, 1, CUT=3))
         # exllamav3 twice, around our last timing: the spread of repeated timings on one side (s14: 5 %)
-        for tag, fn in (*mine[:4], ("exl3", theirs), mine[4], ("exl3_again", theirs)):
-            if tag.startswith("exl3") and exl3 is None:
-                continue
-            row[tag] = round(eager_us(fn, min_s=1.5, max_reps=8 if rows > 1024 else 30) / 1e3, 2)
-        log(json.dumps(row))
-        results.append(row)
-    return results
+        return (("served", ours), ("input_rb1", patched_step(ours, swap)),
+                ("rebuild_stages3", patched_step(ours, rebuild_swap(layers, kernel, 3))),
+                (last[0], patched_step(ours, last[1])), ("exl3", theirs), ("again", ours), ("exl3_again", theirs))
+
+    return eager_steps(exl3, rows_list, deadline, variants)
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from layers import rel  # noqa: E402
-from model_step import Linear  # noqa: E402
+from model_build import Linear  # noqa: E402
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
+import model_build  # noqa: E402
 import model_step  # noqa: E402
 from step_timing import eager_us, graph_us, host_us, log  # noqa: E402
 
@@ -28,7 +29,7 @@ def main() -> int:
     parser.add_argument("--rows", default="1,32,64")
     args = parser.parse_args()
     for name in args.models.split(","):
-        cfg, layers = model_step.build(name, 4, "mul1", None)
+        cfg, layers = model_build.build(name, 4, "mul1", None)
         kinds = [f"{kind}:{getattr(obj, 'parts', '')}" for ops in layers for kind, obj, _ in ops]
         for rows in [int(r) for r in args.rows.split(",")]:
             ours, _, _ = model_step.step_fns(cfg, layers, rows)
