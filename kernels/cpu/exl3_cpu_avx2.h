@@ -100,14 +100,17 @@ struct GroupView8 {
     }
 };
 
+// Tile rows per block of the 2..8-row loop (gemv_rows8).
+constexpr int ROW_BLOCK = 4;
+
 // A worker's buffers for work items of up to `rows` rows: acc and the permuted inputs (4 vectors per row and k tile:
-// group g's lanes multiply tile rows 2(g&3) + {0, 1, 8, 9}).
+// group g's lanes multiply tile rows 2(g&3) + {0, 1, 8, 9}; ROW_BLOCK k tiles).
 struct Scratch {
     float* acc;
     __m256* ue;
     explicit Scratch(int rows)
         : acc((float*)_mm_malloc(sizeof(float) * rows * CHUNK_TILES * POSITIONS, 32)),
-          ue((__m256*)_mm_malloc(sizeof(__m256) * rows * 4, 32)) {}
+          ue((__m256*)_mm_malloc(sizeof(__m256) * ROW_BLOCK * 4 * rows, 32)) {}
     ~Scratch() {
         _mm_free(ue);
         _mm_free(acc);
@@ -116,8 +119,53 @@ struct Scratch {
     Scratch& operator=(const Scratch&) = delete;
 };
 
-// One work item: the 128 output columns of chunk c for m rows of u, over every k tile of one trellis; group by group,
-// each over the chunk's tiles (its controls stay in registers).
+// Row mi's input of k tile tk as the 4 vectors the groups multiply, at ue[q * stride].
+inline void permute_row(const float* ut, __m256* ue, int stride) {
+    const __m256 top = _mm256_loadu_ps(ut), bottom = _mm256_loadu_ps(ut + 8);
+    for (int q = 0; q < 4; ++q) {
+        const __m256i idx = _mm256_setr_epi32(2 * q, 2 * q + 1, 2 * q, 2 * q + 1, 2 * q, 2 * q + 1, 2 * q, 2 * q + 1);
+        ue[q * stride] = _mm256_blend_ps(_mm256_permutevar8x32_ps(top, idx), _mm256_permutevar8x32_ps(bottom, idx), 0xCC);
+    }
+}
+
+inline void prefetch_row(const int16_t* col0, size_t row_words, int chunk_bytes, int tk) {
+    const char* pf = (const char*)(col0 + (size_t)tk * row_words);
+    for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+}
+
+// 2..8 rows of a work item: per block of ROW_BLOCK tile rows, each group's accumulators (one per row) stay in
+// registers across the block's tiles, as the avx512 tier's gemv_rows (loaded and stored per 8 weights, m * 8 KiB of
+// them left L1). The same fma order per accumulator: the sums are unchanged.
+template <int CB, int M>
+void gemv_rows8(const int16_t* col0, size_t row_words, int chunk_bytes, int tiles_k, int words32, const Groups8& g,
+                const float* u, int k, float* acc, __m256* ue) {
+    const int words16 = 2 * words32;
+    for (int tk0 = 0; tk0 < tiles_k; tk0 += ROW_BLOCK) {
+        const int tb = tiles_k - tk0 < ROW_BLOCK ? tiles_k - tk0 : ROW_BLOCK;
+        for (int t = 0; t < tb; ++t) {
+            if (tk0 + t + 4 < tiles_k) prefetch_row(col0, row_words, chunk_bytes, tk0 + t + 4);
+            for (int mi = 0; mi < M; ++mi) permute_row(u + (size_t)mi * k + 16 * (tk0 + t), ue + t * 4 * M + mi, M);
+        }
+        for (int gi = 0; gi < GROUPS8; ++gi) {
+            const GroupView8 view(g, gi);
+            for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+                float* a = acc + ct * POSITIONS + 8 * gi;
+                __m256 s[M];
+                for (int mi = 0; mi < M; ++mi) s[mi] = _mm256_load_ps(a + (size_t)mi * CHUNK_TILES * POSITIONS);
+                for (int t = 0; t < tb; ++t) {
+                    const uint32_t* U = (const uint32_t*)(col0 + (size_t)(tk0 + t) * row_words + (size_t)ct * words16);
+                    const __m256 w = decode8<CB>(view.states(U, words32));
+                    const __m256* ug = ue + (t * 4 + (gi & 3)) * M;
+                    for (int mi = 0; mi < M; ++mi) s[mi] = _mm256_fmadd_ps(ug[mi], w, s[mi]);
+                }
+                for (int mi = 0; mi < M; ++mi) _mm256_store_ps(a + (size_t)mi * CHUNK_TILES * POSITIONS, s[mi]);
+            }
+        }
+    }
+}
+
+// One work item: the 128 output columns of chunk c for m rows of u, over every k tile of one trellis; one row group
+// by group, each over the chunk's tiles (its controls stay in registers), more rows by gemv_rows8.
 template <int CB>
 void gemv_chunk8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const Groups8& g, const float* u,
                  int m, int c, Scratch& s, const float* svh, float* y, size_t y_stride) {
@@ -127,39 +175,25 @@ void gemv_chunk8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r
     std::memset(acc, 0, sizeof(float) * m * CHUNK_TILES * POSITIONS);
     const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
     const int chunk_bytes = CHUNK_TILES * words16 * 2;
-    for (int tk = 0; tk < tiles_k; ++tk) {
-        if (tk + 4 < tiles_k) {
-            const char* pf = (const char*)(col0 + (size_t)(tk + 4) * row_words);
-            for (int b = 0; b < chunk_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-        }
-        for (int mi = 0; mi < m; ++mi) {
-            const float* ut = u + (size_t)mi * k + 16 * tk;
-            const __m256 top = _mm256_loadu_ps(ut), bottom = _mm256_loadu_ps(ut + 8);
-            for (int q = 0; q < 4; ++q) {
-                const __m256i idx = _mm256_setr_epi32(2 * q, 2 * q + 1, 2 * q, 2 * q + 1, 2 * q, 2 * q + 1, 2 * q, 2 * q + 1);
-                s.ue[mi * 4 + q] = _mm256_blend_ps(_mm256_permutevar8x32_ps(top, idx),
-                                                   _mm256_permutevar8x32_ps(bottom, idx), 0xCC);
-            }
-        }
+    using Rows = void (*)(const int16_t*, size_t, int, int, int, const Groups8&, const float*, int, float*, __m256*);
+    static constexpr Rows rows[9] = {nullptr, gemv_rows8<CB, 1>, gemv_rows8<CB, 2>, gemv_rows8<CB, 3>,
+                                     gemv_rows8<CB, 4>, gemv_rows8<CB, 5>, gemv_rows8<CB, 6>, gemv_rows8<CB, 7>,
+                                     gemv_rows8<CB, 8>};
+    for (int m0 = 0; m0 < m && m > 1; m0 += 8)  // 8 rows at a time (a GEMV or grouped unit has at most 8)
+        rows[m - m0 < 8 ? m - m0 : 8](col0, row_words, chunk_bytes, tiles_k, r.words32, g, u + (size_t)m0 * k, k,
+                                      acc + (size_t)m0 * CHUNK_TILES * POSITIONS, s.ue);
+    for (int tk = 0; tk < tiles_k && m == 1; ++tk) {
+        if (tk + 4 < tiles_k) prefetch_row(col0, row_words, chunk_bytes, tk + 4);
+        permute_row(u + 16 * tk, s.ue, 1);
         const int16_t* row = col0 + (size_t)tk * row_words;
         for (int gi = 0; gi < GROUPS8; ++gi) {
             const GroupView8 view(g, gi);
-            if (m == 1) {
-                const __m256 ug = s.ue[gi & 3];
+            const __m256 ug = s.ue[gi & 3];
 #pragma GCC unroll 8
-                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
-                    float* a = acc + ct * POSITIONS + 8 * gi;
-                    const __m256 w = decode8<CB>(view.states((const uint32_t*)(row + (size_t)ct * words16), r.words32));
-                    _mm256_store_ps(a, _mm256_fmadd_ps(ug, w, _mm256_load_ps(a)));
-                }
-                continue;
-            }
             for (int ct = 0; ct < CHUNK_TILES; ++ct) {
+                float* a = acc + ct * POSITIONS + 8 * gi;
                 const __m256 w = decode8<CB>(view.states((const uint32_t*)(row + (size_t)ct * words16), r.words32));
-                for (int mi = 0; mi < m; ++mi) {
-                    float* a = acc + ((size_t)mi * CHUNK_TILES + ct) * POSITIONS + 8 * gi;
-                    _mm256_store_ps(a, _mm256_fmadd_ps(s.ue[mi * 4 + (gi & 3)], w, _mm256_load_ps(a)));
-                }
+                _mm256_store_ps(a, _mm256_fmadd_ps(ug, w, _mm256_load_ps(a)));
             }
         }
     }
