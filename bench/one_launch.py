@@ -4,17 +4,20 @@ launches, host µs per step), plus how far the one-launch outputs are from the t
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
 bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
 in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
---variants S:L[:E[:D[:F[:R]]]],..: instead of two/units_two/one_all, the served code with triton_gemv.MIN_STEPS_PER_SPLIT
-= S (each split-K split keeps at least S K steps), SL = L on every launch (split partials loaded per step of the
-finishing sum; 0: triton_fused.split_loads by each launch's split count, as served), the MoE projections' splits times
-2**E (the linears' 2**D), F = 0 the decode matmul's weight operand in ring order where the fragment order serves (1: as
-served, kernels/bound.fragment_order) and R > 0 a register cap (CUDA maxnreg) on every decode matmul launch (0: as
-built; -1: as built without the cap by grid size, bound.WAVE_MAX_REGISTERS), then the served values re-timed (again); and per projection group (every layer's calls of one name:
+--variants S:L[:E[:D[:F[:R[:P]]]]],..: instead of two/units_two/one_all, the served code with
+triton_gemv.MIN_STEPS_PER_SPLIT = S (each split-K split keeps at least S K steps), SL = L on every launch (split
+partials loaded per step of the finishing sum; 0: triton_fused.split_loads by each launch's split count, as served),
+the MoE projections' splits times 2**E (the linears' 2**D), F = 0 the decode matmul's weight operand in ring order
+where the fragment order serves (1: as served, kernels/bound.fragment_order), R > 0 a register cap (CUDA maxnreg) on
+every decode matmul launch (0: as built; -1: as built without the cap by grid size, bound.WAVE_MAX_REGISTERS) and
+P > 0 software-pipeline stages (Triton's cp.async of the next steps' trellis words into shared memory; 0: as built,
+one), then the served values re-timed (again); and per projection group (every layer's calls of one name:
 in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each chose.
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
     python3 -P bench/one_launch.py --variants 1:1,1:4,8:1 --rows 4,1,16 --out $OUT    # split-K A/B + groups
     python3 -P bench/one_launch.py --variants 8:0:0:0:0,8:0:0:0:1:-1 --out $OUT      # operand order, register caps
+    python3 -P bench/one_launch.py --variants 8:0:0:0:1:0:2,8:0:0:0:1:0:3 --out $OUT  # words pipelined 2 / 3 stages
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def difference(layers, rows: int) -> dict:
 
 
 SHIFTS = [0, 0]  # the MoE and the dense launches' split scales (powers of two) configure() set last
-KNOBS = [1, 0]  # the operand order (1: as served) and register cap (0: as built) configure() set last
+KNOBS = [1, 0, 0]  # operand order (1: as served), register cap and pipeline stages (0: as built) configure() set last
 BUILT: dict[int, tuple] = {}  # id(launch) -> its decode matmul launches and FRAG as built
 
 
@@ -107,28 +110,30 @@ def launches_of(layers):
             yield from op_launches(kind, obj)
 
 
-def operand(launch, frag: int, cap: int) -> None:
+def operand(launch, frag: int, cap: int, stages: int = 0) -> None:
     """launch's decode matmul with its weight operand in ring order if frag is 0 (as built if 1), under a register
     cap of `cap` (CUDA maxnreg) on every grid if cap > 0, as built if 0, as built but with no cap by grid size
-    (bound.WAVE_MAX_REGISTERS) if -1."""
+    (bound.WAVE_MAX_REGISTERS) if -1; compiled with `stages` software-pipeline stages if > 0 (Triton's cp.async of
+    the next steps' loads into shared memory; as built, 1, if 0)."""
     fused, one, frag_built, wave_cap = BUILT.setdefault(id(launch), (launch.fused, launch.one,
                                                                      launch.fused_fixed["FRAG"], launch.wave_cap))
     launch.fused_fixed["FRAG"] = frag_built and bool(frag)
     launch.fused, launch.one = fused, one
     launch.wave_cap = wave_cap if cap == 0 else None
-    if cap > 0:
+    changed = dict({"maxnreg": cap} if cap > 0 else {}, **({"num_stages": stages} if stages else {}))
+    if changed:
         launch.fused = DirectLaunch(exl3_fused_kernel, fused.varying, fused.hooks is None,
-                                    **dict(fused.options, maxnreg=cap))
-        launch.one = DirectLaunch(exl3_fused_kernel, one.varying, one.hooks is None, **dict(one.options, maxnreg=cap))
+                                    **dict(fused.options, **changed))
+        launch.one = DirectLaunch(exl3_fused_kernel, one.varying, one.hooks is None, **dict(one.options, **changed))
 
 
 def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: int = 0, frag: int = 1,
-              cap: int = 0) -> tuple[int, ...]:
+              cap: int = 0, stages: int = 0) -> tuple[int, ...]:
     """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum; 0: by
     split count), scale the MoE projections' splits by 2**moe_shift and the linears' by 2**dense_shift (as far as
-    the K steps divide), set the operand order and register cap (operand()), and forget every launch's splits and
-    plans (chosen again on the next call, outside any timing: measure and graph_us warm up first). Returns the values
-    it replaced."""
+    the K steps divide), set the operand order, register cap and stages (operand()), and forget every launch's splits
+    and plans (chosen again on the next call, outside any timing: measure and graph_us warm up first). Returns the
+    values it replaced."""
     old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).loads or 0, *SHIFTS, *KNOBS
     triton_gemv.MIN_STEPS_PER_SPLIT = steps
     for ops in layers:
@@ -137,13 +142,13 @@ def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: i
             for launch in op_launches(kind, obj):
                 launch.loads = loads or None
                 launch.splits.clear()
-                operand(launch, frag, cap)
+                operand(launch, frag, cap, stages)
                 launch.replan()
                 launch.__dict__.pop("split_for", None)
                 if shift:
                     launch.split_for = shifted_splits(launch, shift)
     SHIFTS[:] = moe_shift, dense_shift
-    KNOBS[:] = frag, cap
+    KNOBS[:] = frag, cap, stages
     return old
 
 
@@ -176,11 +181,11 @@ def by_group(cfg, layers, step) -> dict:
 
 def variants_ab(cfg, layers, rows: int, variants: list[tuple[int, ...]], exl3_ok: bool) -> dict:
     """Whole steps and per-group graph µs at each (split floor, split loads[, MoE split shift[, dense split shift[,
-    operand order[, register cap]]]]) variant, the served one first and again last; exllamav3 per group."""
+    operand order[, register cap[, stages]]]]]) variant, the served one first and again last; exllamav3 per group."""
     ours, theirs, _ = step_fns(cfg, layers, rows)
-    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0, 0, 1, 0
+    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0, 0, 1, 0, 0
     row, groups, chosen = {}, {}, {}
-    names = ("m{}", "_l{}", "_e{:+d}", "_d{:+d}", "_f{}", "_r{:d}")
+    names = ("m{}", "_l{}", "_e{:+d}", "_d{:+d}", "_f{}", "_r{:d}", "_s{}")
     tags = [(f"served_m{served[0]}_l{served[1]}", served)] + [
         ("".join(name.format(value) for name, value in zip(names, v)), (*v, *served[len(v):])) for v in variants]
     for tag, knobs in tags + [("again", served)]:
@@ -230,9 +235,10 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tag", default="one_launch")
     parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
-    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT[:DENSE[:FRAG[:CAP]]]],...: split floors, "
-                        "split loads, MoE splits x 2**SHIFT, linears' splits x 2**DENSE, operand order (0: ring), "
-                        "register cap, A/B against the served ones (8:4,8:0:0:1,8:0:0:0:0)")
+    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT[:DENSE[:FRAG[:CAP[:STAGES]]]]],...: "
+                        "split floors, split loads, MoE splits x 2**SHIFT, linears' splits x 2**DENSE, operand order "
+                        "(0: ring), register cap, pipeline stages, A/B against the served ones "
+                        "(8:4,8:0:0:1,8:0:0:0:0,8:0:0:0:1:0:2)")
     args = parser.parse_args()
     exl3 = None if args.no_exl3 else Exl3Side()
     results = []

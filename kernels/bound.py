@@ -29,8 +29,8 @@ from exl3local.kernels.selftest import one_launch_refusal
 from exl3local.kernels.triton_decode import lanes_per_superlane, rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel, split_loads
 from exl3local.kernels.triton_gemv import (
-    FMA_ONE_ROW_BITS, TILE_ROWS, TILED_PROGRAMS_PER_CORE, choose_splits, compute_units, exl3_gemv_ring_kernel, ring_config,
-    ring_dot_config, tiled_config,
+    FMA_ONE_ROW_BITS, TILE_ROWS, TILED_PROGRAMS_PER_CORE, choose_splits, compute_units, exl3_gemv_ring_kernel,
+    ring_config, ring_dot_config, tiled_config,
 )
 from exl3local.kernels.triton_hadamard import NATURAL, _input_kernel, hadamard_operands, rows_per_program
 

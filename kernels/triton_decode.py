@@ -210,10 +210,10 @@ def ring_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA:
 @triton.jit
 def fragment_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA: tl.constexpr,
                      HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr):
-    """Ŵ of KT×8 tiles at G = 1 (4 and 8 bits) as a [16·KT, 128] fp16 dot operand indexed so that every weight already
-    sits in the lane and register where the matrix unit takes it: with ring_tiles' flat layout over 4 warps (a tile's
-    bits 0-1 are the warp, bit 2 a register) and a lane's positions being the mma.m16n8k16 B fragment (spec §4), the
-    conversion to the dot operand is a renaming of registers, where ring_operand's order costs a shared-memory round
+    """Ŵ of KT×8 tiles at G = 1 (4 and 8 bits) as a [16·KT, 128] fp16 dot operand indexed so that every weight
+    already sits in the lane and register where the matrix unit takes it: with ring_tiles' flat layout over 4 warps (a
+    tile's bits 0-1 are the warp, bit 2 a register) and a lane's positions being the mma.m16n8k16 B fragment (spec §4),
+    the conversion to the dot operand is a renaming of registers, where ring_operand's order costs a shared-memory round
     trip per K step (Triton 3.9's sm_90 compile of the 4-bit kernel: 173 -> 162 loop instructions per step, 66 -> 56
     registers; bench/sass_loop.py). Rows are natural (k = 16·kt + row: u needs no reordering); columns in fragment
     order (fragment_cols). H200 (Triton 3.6), per 27B/35B-A3B group: 1-3 % faster than the ring order but 27B gate_up

@@ -51,9 +51,8 @@ def test_a_grid_of_more_than_one_wave_takes_the_register_capped_twin(kernel_devi
     from exl3local.kernels import bound
     from exl3local.kernels.triton_gemv import compute_units
 
-    launch = bound.FusedLaunch(torch.zeros(8, 8, 32, dtype=torch.int16, device=kernel_device),
-                               torch.ones(128, device=kernel_device).half(), torch.ones(128, device=kernel_device).half(),
-                               4, "mul1")
+    scale = torch.ones(128, device=kernel_device).half()
+    launch = bound.FusedLaunch(torch.zeros(8, 8, 32, dtype=torch.int16, device=kernel_device), scale, scale, 4, "mul1")
     cap = bound.WAVE_MAX_REGISTERS[4]
     assert launch.wave_cap == (cap if launch.device.type == "cuda" else None)
     launch.wave_cap = cap
