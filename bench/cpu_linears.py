@@ -9,8 +9,8 @@ the bf16 engine runs; up to session 13 the default mode used torch's F.linear, 2
 cache) ns per weight and GB/s of weight bytes read, as wall time and as CPU time of all threads, next to this
 machine's read bandwidth (a 1 GiB sum). --step: one decoded token's linears for every layer through the plugin's
 BoundLinear, with one library call per fused layer (the default) and with one per part, against the bf16 linear,
-alternating in one process. --prefill M: per linear shape at M bf16 rows as served (the GEMV up to 8 rows, then the
-GEMM path: AMX where the CPU has it, and fp32 BLAS) against the bf16 linear. --tier forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g. the AVX2 laptop tiers
+alternating in one process. --prefill M: per linear shape at M bf16 rows as served (the GEMV up to ops.gemv_max_rows,
+then the GEMM path: AMX where the CPU has it, and fp32 BLAS) against the bf16 linear. --tier forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g. the AVX2 laptop tiers
 on an AVX-512 machine.
 """
 
@@ -137,7 +137,7 @@ def linear_step(args, cfg: dict) -> None:
 
 def linear_prefill(args, cfg: dict) -> None:
     """Per linear shape, M bf16 rows (a prefill, or a batched decode step): kernels/cpu as served (the GEMV up to
-    GEMV_MAX_ROWS rows; past that the GEMM path on AMX where the CPU has it, and on fp32 BLAS, the path before and
+    ops.gemv_max_rows rows; past that the GEMM path on AMX where the CPU has it, and on fp32 BLAS, the path before and
     elsewhere) against vLLM's own bf16 linear (oneDNN on prepacked weights, what the bf16 engine runs), alternating in
     one process; best CPU ms of --repeat."""
     import torch
@@ -149,7 +149,8 @@ def linear_prefill(args, cfg: dict) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     hidden, inter, m = cfg["hidden_size"], cfg["intermediate_size"], args.prefill
-    served = "GEMV" if m <= ops.GEMV_MAX_ROWS else "GEMM " + ("AMX" if ops.amx_active(ops.library()) else "fp32 (no AMX)")
+    gemv = m <= ops.gemv_max_rows(ops.library(), False)
+    served = "GEMV" if gemv else "GEMM " + ("AMX" if ops.amx_active(ops.library()) else "fp32 (no AMX)")
     g = torch.Generator().manual_seed(0)
     for k, n in ((hidden, hidden), (hidden, 2 * inter), (inter, hidden)):
         lin, fp32 = gemm_pair(k, n, args.bits, g)
@@ -157,7 +158,7 @@ def linear_prefill(args, cfg: dict) -> None:
         handler = vllm_ops.create_onednn_mm(torch.randn(n, k, generator=g).bfloat16().t(), 32)
         runs = {"bf16 (vLLM oneDNN)": lambda: vllm_ops.onednn_mm(handler, x, None),
                 f"exl3 {served}": lambda: lin(x, torch.bfloat16)}
-        if m > ops.GEMV_MAX_ROWS:
+        if not gemv:
             runs["exl3 GEMM fp32 BLAS"] = lambda: fp32(x, torch.bfloat16)
         best: dict[str, float] = {}
         for _ in range(args.repeat):
@@ -208,8 +209,8 @@ def main() -> None:
     parser.add_argument("--step", action="store_true", help="one decode step's linears instead of per linear")
     parser.add_argument("--repeat", type=int, default=3, help="--step: alternate the variants this many times")
     parser.add_argument("--tier", help="force this ISA tier (sets EXL3LOCAL_CPU_TIER)")
-    parser.add_argument("--prefill", type=int, metavar="M", help="M rows as served instead (GEMV up to 8 rows; then the "
-                        "GEMM path: AMX, fp32)")
+    parser.add_argument("--prefill", type=int, metavar="M", help="M rows as served instead (the GEMV, then the GEMM "
+                        "path: AMX, fp32)")
     args = parser.parse_args()
     if args.tier:
         os.environ["EXL3LOCAL_CPU_TIER"] = args.tier

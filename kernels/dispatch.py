@@ -238,6 +238,7 @@ class CpuLinearKernel(Exl3Kernel):
         # The GEMM path runs on AMX where the CPU has it and ops.CpuLinear.amx_rows says (bf16 rows; fp32 and fp16
         # rows up to AMX_U_MAX_ROWS), fp32 BLAS otherwise.
         self.amx = ops.amx_active(ops.library())
+        self.gemv_rows = ops.gemv_max_rows(ops.library(), self.int8)
 
     @classmethod
     def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
@@ -253,7 +254,7 @@ class CpuLinearKernel(Exl3Kernel):
     def path_for(self, rows: int) -> KernelPath:
         from exl3local.kernels.cpu import ops
 
-        if rows > ops.GEMV_MAX_ROWS:
+        if rows > self.gemv_rows:
             amx = self.amx and ops.CpuLinear.amx_rows(self.spec.act_dtype, rows)
             return KernelPath.CPU_GEMM_AMX if amx else KernelPath.CPU_GEMM
         return KernelPath.CPU_GEMV_INT8 if self.int8 else KernelPath.CPU_GEMV

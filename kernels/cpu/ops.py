@@ -6,7 +6,7 @@
     layer = CpuFusedLinear([lin_q, lin_k, lin_v], [n_q, n_k, n_v], in_features)   # a fused vLLM layer
     y = layer(x)                                          # (..., in_features) -> (..., Σ n), one library call
 
-GEMV (m <= GEMV_MAX_ROWS): one pass over the trellis, Ŵ decoded in registers, both Hadamard transforms in
+GEMV (m <= gemv_max_rows): one pass over the trellis, Ŵ decoded in registers, both Hadamard transforms in
 the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations, not exact (int8_active). GEMM (more rows):
 bf16 activations on AMX where the CPU has it (amx_active: exact, W' in three bf16 planes), else Ŵ decoded once per
 strip of columns into fp32 and multiplied by torch's BLAS.
@@ -26,9 +26,13 @@ from exl3local import env
 from exl3local.kernels.codebook import CODEBOOKS, lut
 from exl3local.kernels.cpu import build, heap
 
-# Rows up to which the one-pass GEMV beats decode-strip + BLAS here (bench/cpu_decode.py measures it:
-# docs/PERF.md, CPU section).
+# Rows up to which the one-pass GEMV serves where the GEMM path runs on AMX (its u split wins from 9 rows), the library
+# is the portable tier (its GEMV lost 2x to the GEMM path at 8 rows on Zen 4) or the layer runs int8 activations; and
+# the most rows of one MoE unit.
 GEMV_MAX_ROWS = 8
+# The same on the AVX-512 and AVX2 tiers without AMX: their GEMV (8 rows per pass, each group's accumulators in
+# registers) beat decode-strip + fp32 BLAS up to 24-28 rows on Zen 4 at 1 thread (docs/PERF.md, CPU, session 16).
+GEMV_MAX_ROWS_SIMD = 24
 # fp32 elements of one decoded strip (8 MiB): large enough for an efficient GEMM, small beside the weights.
 STRIP_ELEMENTS = 2 << 20
 # Rows per pass of the GEMM path (a chunked prefill sends up to max_num_batched_tokens): each strip is decoded once
@@ -121,6 +125,11 @@ def amx_active(lib: ctypes.CDLL) -> bool:
             and bool(lib.exl3_cpu_amx()))
 
 
+def gemv_max_rows(lib: ctypes.CDLL, int8: bool) -> int:
+    """Rows up to which a call on `lib` runs the one-pass GEMV (GEMV_MAX_ROWS, GEMV_MAX_ROWS_SIMD)."""
+    return GEMV_MAX_ROWS if int8 or amx_active(lib) or lib.exl3_cpu_tier() == 0 else GEMV_MAX_ROWS_SIMD
+
+
 def _bits2(bits: float) -> int:
     return int(round(2 * bits))
 
@@ -152,6 +161,7 @@ class CpuLinear:
         _bind_operands(self, library(tier), trellis, trellis.shape[0], trellis.shape[1], suh, svh, bits, codebook)
         self.int8 = int8_active(codebook, self.lib, int8)
         self.amx = amx_active(self.lib)
+        self.gemv_rows = gemv_max_rows(self.lib, self.int8)
 
     @staticmethod
     def amx_rows(dtype: torch.dtype, rows: int) -> bool:
@@ -162,7 +172,7 @@ class CpuLinear:
         return dtype == torch.bfloat16 or (dtype in (torch.float32, torch.float16) and rows <= AMX_U_MAX_ROWS)
 
     def path_for(self, rows: int) -> str:
-        if rows > GEMV_MAX_ROWS:
+        if rows > self.gemv_rows:
             return "gemm"
         return "gemv_int8" if self.int8 else "gemv"
 
@@ -171,7 +181,7 @@ class CpuLinear:
         """x (m, k) -> y (m, n) in out_dtype (computed in fp32, + bias, then cast)."""
         m = x.shape[0]
         threads = torch.get_num_threads()
-        if m > GEMV_MAX_ROWS:
+        if m > self.gemv_rows:
             heap.trim_after_forward()
             return self._gemm(x, out_dtype, bias, threads)
         x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
@@ -291,7 +301,7 @@ class CpuExpertProjection:
 
 class CpuFusedLinear:
     """A fused vLLM layer's parts (q/k/v, gate/up: one input, each part its own trellis, suh, svh and bits) bound
-    as one: up to GEMV_MAX_ROWS rows run as one library call (one parallel region for the input transforms and
+    as one: up to gemv_max_rows rows run as one library call (one parallel region for the input transforms and
     every part's chunks: per token that is 4 regions per Llama layer instead of 7, and one Python call per layer);
     more rows go part by part through the GEMM path. Parts must share the codebook and the int8 choice (make())."""
 
@@ -300,6 +310,7 @@ class CpuFusedLinear:
         first = parts[0]
         self.lib, self.size_k, self.tiles_k = first.lib, first.size_k, first.tiles_k
         self.codebook, self.lut_ptr, self.int8 = first.codebook, first.lut_ptr, first.int8
+        self.gemv_rows = first.gemv_rows
         self.in_features = in_features
         self.out_features = out_features
         self.width = sum(p.size_n for p in parts)
@@ -328,7 +339,7 @@ class CpuFusedLinear:
         x2d = x.reshape(-1, x.shape[-1])
         m = x2d.shape[0]
         pad = self.size_k - x2d.shape[-1]
-        if not 0 < m <= GEMV_MAX_ROWS:
+        if not 0 < m <= self.gemv_rows:
             xp = torch.nn.functional.pad(x2d, (0, pad)) if pad else x2d
             y = torch.cat([p(xp, x.dtype)[:, :out] for p, out in zip(self.parts, self.out_features)], dim=-1)
             return y.view(*lead, y.shape[-1])

@@ -44,13 +44,13 @@ def test_one_row_gemv_matches_the_gemm_path_at_every_rate():
         x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2))
         for tier in TIERS:
             lin = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier)
-            many = x.expand(ops.GEMV_MAX_ROWS + 1, -1).contiguous()
+            many = x.expand(lin.gemv_rows + 1, -1).contiguous()
             torch.testing.assert_close(lin(x)[0], lin(many)[0], rtol=1e-5, atol=1e-5,
                                        msg=lambda m, t=tier, c=codebook, b=bits: f"{t} {c} {b}: {m}")
 
 
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3), ("mcg", 8), ("mul1", 2.5)])
-@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1, ops.GEMV_MAX_ROWS_SIMD + 1])
 def test_both_paths_match_the_reference(codebook, bits, rows):
     trellis, suh, svh = _layer(384, 256, bits, codebook, seed=rows)
     x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(1))
@@ -59,7 +59,7 @@ def test_both_paths_match_the_reference(codebook, bits, rows):
     for tier in TIERS:
         lin = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier)
         got = lin(x)
-        assert lin.path_for(rows) == ("gemv" if rows <= ops.GEMV_MAX_ROWS else "gemm")
+        assert lin.path_for(rows) == ("gemv" if rows <= lin.gemv_rows else "gemm")
         # fp32 accumulation over k = 384 terms vs an fp64 product with the fp16-rounded W: W's rounding dominates.
         torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item(),
                                    msg=lambda m, tier=tier: f"{tier}: {m}")
@@ -228,10 +228,10 @@ def test_mul1_fp16_rounding_splits_are_exact_for_every_byte_sum():
     assert "-ffp-contract=off" in build.COMMON_FLAGS
 
 
-@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1, ops.GEMV_MAX_ROWS_SIMD + 1])
 def test_fused_layer_is_one_call_equal_to_its_parts(rows, monkeypatch):
     """A fused layer (parts of other bits and widths, the last one padded past its out_features, x narrower than the
-    padded k) through BoundLinear: up to GEMV_MAX_ROWS rows one library call, equal to the parts run one by one."""
+    padded k) through BoundLinear: up to gemv_max_rows rows one library call, equal to the parts run one by one."""
     from exl3local.kernels.bound import BoundLinear
 
     shapes = [(4, 256, 256), (3, 128, 128), (2.5, 384, 300)]  # bits, padded n, out_features
@@ -247,9 +247,10 @@ def test_fused_layer_is_one_call_equal_to_its_parts(rows, monkeypatch):
     got = layer(x)
     want = BoundLinear.unfused(layer, x)
     assert got.shape == (rows, 256 + 128 + 300) and got.dtype == torch.bfloat16
-    assert calls == (["exl3_cpu_gemv_parts"] if rows <= ops.GEMV_MAX_ROWS else [])
+    one_call = rows <= layer.whole.gemv_rows
+    assert calls == (["exl3_cpu_gemv_parts"] if one_call else [])
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-    if rows <= ops.GEMV_MAX_ROWS:  # the same fp32 sums, cast once: equal, not only close
+    if one_call:  # the same fp32 sums, cast once: equal, not only close
         assert torch.equal(got, want)
 
 

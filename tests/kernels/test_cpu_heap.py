@@ -68,7 +68,7 @@ def resident():
 
 trellis = torch.randint(-32768, 32768, (8, 8, reference.words_per_tile(4)), dtype=torch.int16)
 lin = ops.CpuLinear(trellis, torch.ones(128).half(), torch.ones(128).half(), 4, "mul1")
-x = torch.randn(16 if sys.argv[1] == "gemm" else 1, 128)
+x = torch.randn(ops.GEMV_MAX_ROWS_SIMD + 1 if sys.argv[1] == "gemm" else 1, 128)
 forward = None
 heap.set_forward_scope(lambda: forward)
 libc = ctypes.CDLL(None)
