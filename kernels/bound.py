@@ -50,10 +50,6 @@ ONE_LAUNCH_MAX_WORK = 96 * 2048
 ONE_LAUNCH_MAX_UNITS = 64
 
 BLOCK_N = FUSED_BLOCK_N_TILES * 16
-# The decode matmul's weight operand in the matrix unit's fragment order (triton_decode.fragment_operand) where a
-# lane's decoded weights are a fragment (G = 1: 4 and 8 bits), up to MAX_ROWS rows; the tiled path (8 warps: not the
-# fragment's layout) keeps the ring order. False: the ring order everywhere (the bench's A/B).
-FRAGMENT_OPERAND = True
 # Register cap (CUDA maxnreg) of a 4-bit decode matmul launch whose grid is larger than one wave at 64 registers a
 # thread (ONE_WAVE_PROGRAMS programs of 4 warps per SM: 64K registers): 56 lets 9 programs stay per SM. H200, per group
 # graph µs against the launches as built (s16b, docs/PERF.md "Session 16"): 27B gate_up (1088 programs on 132 SMs)
@@ -63,9 +59,14 @@ WAVE_MAX_REGISTERS = {4: 56}
 ONE_WAVE_PROGRAMS = 8
 
 
-def fragment_order(bits: float) -> bool:
-    """FRAG of the decode matmul at this rate (FRAGMENT_OPERAND)."""
-    return FRAGMENT_OPERAND and lanes_per_superlane(bits) == 1
+def fragment_order(bits: float, device: torch.device) -> bool:
+    """FRAG of the decode matmul (up to MAX_ROWS rows): the weight operand in the matrix unit's fragment order
+    (triton_decode.fragment_operand) where a lane's decoded weights are a fragment (G = 1: 4 and 8 bits), except on
+    XPU. There Intel's backend (3.3, offline Xe2 compile, compile_kernels' IR) stages Ŵ through shared local memory in
+    either order, in this one with half-width stores (16 <2 x half> instead of 8 <4 x half>) and u read back one fp16
+    at a time (16 loads instead of one of 16): more work per K step, so XPU keeps the ring order (unverified on Arc).
+    The tiled path (8 warps: not the fragment's layout) keeps it everywhere."""
+    return device.type != "xpu" and lanes_per_superlane(bits) == 1
 
 
 def tiled_max_rows() -> int:
@@ -121,7 +122,7 @@ class FusedLaunch:
                                 **rate_constants(bits, codebook), HAS_IDS=experts, HAS_BIAS=bias is not None,
                                 SCALE=HADAMARD_SCALE, BM=MAX_ROWS, KT=block_kt, parts_ptr=svh, PARTS=0, PAIRS=False,
                                 FLAT=True, GROUPED=False, x_ptr=svh, suh_ptr=suh, stride_xm=0, k_valid=self.size_k,
-                                x_div=1, IN_X=False, GLU=False, FRAG=fragment_order(bits))
+                                x_div=1, IN_X=False, GLU=False, FRAG=fragment_order(bits, trellis.device))
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)

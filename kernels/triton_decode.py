@@ -217,8 +217,9 @@ def fragment_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr,
     trip per K step (Triton 3.9's sm_90 compile of the 4-bit kernel: 173 -> 162 loop instructions per step, 66 -> 56
     registers; bench/sass_loop.py). Rows are natural (k = 16·kt + row: u needs no reordering); columns in fragment
     order (fragment_cols). H200 (Triton 3.6), per 27B/35B-A3B group: 1-3 % faster than the ring order but 27B gate_up
-    (3-4 % slower until its grid fits one wave: bound.WAVE_MAX_REGISTERS; docs/PERF.md "Session 16"). On Intel's DPAS
-    layout the conversion is whatever the backend makes of either order (unverified on Arc)."""
+    (3-4 % slower until its grid fits one wave: bound.WAVE_MAX_REGISTERS; docs/PERF.md "Session 16"). Intel's
+    backend stages it through shared local memory like the ring order, less vectorized: not served on XPU
+    (bound.fragment_order)."""
     tl.static_assert(BNT == 8)
     x = tl.reshape(_ring_positions(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, True),
                    (KT, 2, 4, 8, 4, 2, 2, 2))

@@ -144,7 +144,7 @@ def main() -> None:
                       dict(GROUPED=True, PAIRS=True),  # MoE over expert-sorted tiles: gate/up pairs
                       dict(BM=triton_gemv.TILE_ROWS, PARTS=3),  # the tiled path (more than 16 rows), grouped
                       dict(SL=triton_fused.MANY_SPLIT_LOADS),  # launches of many splits: more partials per step
-                      dict(FRAG=False)],  # the ring order at a fragment rate (the bench's A/B)
+                      dict(FRAG=BACKEND[0] == "xpu")],  # the operand order this target does not serve
         ("3inst", 2): [dict(SPLIT=False)],
         ("mcg", 3): [dict(FLAT=False),  # words as [KT, BNT, 32/G] loads, at a rate whose super-lanes span 3 words
                      dict(GROUPED=True)],  # MoE tiles: down
@@ -156,8 +156,8 @@ def main() -> None:
         block_nt, block_kt, warps = triton_gemv.ring_dot_config(bits)
         tile_kt, tile_warps = triton_gemv.tiled_config(bits)
         for changed in [{}, *others]:
-            # the weight operand in fragment order where a lane's weights are a fragment (bound.fragment_order)
-            constants = dict(rate, **served, KT=block_kt, FRAG=rate["G"] == 1)
+            # the weight operand in fragment order where a lane's weights are a fragment, not on XPU (fragment_order)
+            constants = dict(rate, **served, KT=block_kt, FRAG=rate["G"] == 1 and BACKEND[0] != "xpu")
             constants.update(changed)
             tiled = constants["BM"] == triton_gemv.TILE_ROWS  # 64-row tiles: their own KT and warps
             if tiled:
