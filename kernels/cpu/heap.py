@@ -53,13 +53,20 @@ def set_forward_scope(forward: Callable[[], object | None] | None) -> None:
     _forward, _pending = forward, None
 
 
-def trim_after_forward() -> None:
-    """From a GEMM-path call: when the current forward ends, the heap's free pages go back to the OS (malloc_trim(0),
-    2.4-3.7 ms after a 512-token prefill at 16 layers), once per forward. Decode steps (GEMV rows only) never trim."""
+def trim_after_forward(release: Callable[[], None] | None = None) -> None:
+    """From a GEMM-path call: when the current forward ends, `release` (the caller's caches) and then the heap's free
+    pages go back to the OS (malloc_trim(0), 2.4-3.7 ms after a 512-token prefill at 16 layers), once per forward.
+    Decode steps (GEMV rows only) never trim."""
     global _pending
     libc = _libc()
     forward = _forward() if _forward is not None and libc is not None else None
     if forward is None or (_pending is not None and _pending() is forward):
         return
-    weakref.finalize(forward, libc.malloc_trim, 0).atexit = False
+    weakref.finalize(forward, _forward_ended, libc, release).atexit = False
     _pending = weakref.ref(forward)
+
+
+def _forward_ended(libc: ctypes.CDLL, release: Callable[[], None] | None) -> None:
+    if release is not None:
+        release()
+    libc.malloc_trim(0)

@@ -49,16 +49,28 @@ AMX_U_MAX_ROWS = 32
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
 _local = threading.local()  # the GEMM path's fp32 workspace, per calling thread
+_workspaces: list[dict] = []  # every thread's
 
 
 def _workspace(name: str, numel: int) -> torch.Tensor:
-    """This thread's fp32 buffer `name` with at least numel elements (grown, never shrunk: a bounded, reused
-    workspace instead of per-call allocations)."""
-    buffers = _local.__dict__.setdefault("buffers", {})
+    """This thread's fp32 buffer `name` with at least numel elements (grown within a forward, never shrunk: a
+    bounded, reused workspace instead of per-call allocations; dropped when the forward ends, _drop_workspaces)."""
+    buffers = _local.__dict__.get("buffers")
+    if buffers is None:
+        buffers = _local.buffers = {}
+        with _lock:
+            _workspaces.append(buffers)
     buf = buffers.get(name)
     if buf is None or buf.numel() < numel:
         buf = buffers[name] = torch.empty(numel, dtype=torch.float32)
     return buf[:numel]
+
+
+def _drop_workspaces() -> None:
+    """Every thread's GEMM workspace (21 MiB at hidden 2048 / intermediate 5632), released when a forward that used it
+    ends (heap.trim_after_forward): an idle engine keeps none of it, and the next prefill maps it again once."""
+    for buffers in _workspaces:
+        buffers.clear()
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -182,7 +194,7 @@ class CpuLinear:
         m = x.shape[0]
         threads = torch.get_num_threads()
         if m > self.gemv_rows:
-            heap.trim_after_forward()
+            heap.trim_after_forward(_drop_workspaces)
             return self._gemm(x, out_dtype, bias, threads)
         x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
         y = torch.empty(m, self.size_n, dtype=torch.float32)

@@ -68,7 +68,8 @@ def resident():
 
 trellis = torch.randint(-32768, 32768, (8, 8, reference.words_per_tile(4)), dtype=torch.int16)
 lin = ops.CpuLinear(trellis, torch.ones(128).half(), torch.ones(128).half(), 4, "mul1")
-x = torch.randn(ops.GEMV_MAX_ROWS_SIMD + 1 if sys.argv[1] == "gemm" else 1, 128)
+# fp32 rows past both the GEMV and AMX's u split: the GEMM path's fp32 workspace serves them on every CPU
+x = torch.randn(max(ops.GEMV_MAX_ROWS_SIMD, ops.AMX_U_MAX_ROWS) + 1 if sys.argv[1] == "gemm" else 1, 128)
 forward = None
 heap.set_forward_scope(lambda: forward)
 libc = ctypes.CDLL(None)
@@ -89,22 +90,25 @@ forward = Forward()
 before = resident()
 lin(x)
 lin(x)
-during = resident()
+during, workspace = resident(), sum(b.numel() for b in ops._local.__dict__.get("buffers", {}).values())
 forward = None
-print((before - start) >> 20, (before - during) >> 20, (during - resident()) >> 20)
+left = sum(b.numel() for b in ops._local.__dict__.get("buffers", {}).values())
+print((before - start) >> 20, (before - during) >> 20, (during - resident()) >> 20, workspace, left)
 """
 
 
 def test_the_heap_goes_back_to_the_os_when_a_forward_with_a_gemm_call_ends(tmp_path):
     """Freed heap pages (48 MiB here) stay resident through a forward's GEMM-path calls and go back to the OS when
-    that forward ends (heap.trim_after_forward); a forward of one-row calls only (a decode step) leaves them."""
+    that forward ends (heap.trim_after_forward), and so does the GEMM path's workspace; a forward of one-row calls
+    only (a decode step) leaves them."""
     if not Path("/proc/self/statm").exists():
         pytest.skip("needs /proc to read the resident size")
     for mode in ("gemm", "gemv"):
-        kept, during, at_end = map(int, _run(_FORWARD_TRIM, mode, tmp_path).split())
+        kept, during, at_end, workspace, left = map(int, _run(_FORWARD_TRIM, mode, tmp_path).split())
         assert kept >= 40, f"the freed blocks were not kept resident ({kept} MiB): the check would prove nothing"
         assert during < 8, f"{mode} forward: {during} MiB given back before it ended"
         if mode == "gemm":
             assert at_end >= 40, f"GEMM forward: {at_end} MiB given back at its end"
+            assert workspace > 0 and left == 0, f"GEMM workspace: {workspace} floats in the forward, {left} after it"
         else:
             assert at_end < 8, f"decode forward: {at_end} MiB given back at its end (a decode step must not trim)"
