@@ -10,8 +10,8 @@ cache) ns per weight and GB/s of weight bytes read, as wall time and as CPU time
 machine's read bandwidth (a 1 GiB sum). --step: one decoded token's linears for every layer through the plugin's
 BoundLinear, with one library call per fused layer (the default) and with one per part, against the bf16 linear,
 alternating in one process. --prefill M: per linear shape at M bf16 rows as served (the GEMV up to ops.gemv_max_rows,
-then the GEMM path: AMX where the CPU has it, and fp32 BLAS) against the bf16 linear. --tier forces an ISA tier (EXL3LOCAL_CPU_TIER), e.g. the AVX2 laptop tiers
-on an AVX-512 machine.
+then the GEMM path: AMX where the CPU has it, and fp32 BLAS) against the bf16 linear. --tier forces an ISA tier
+(EXL3LOCAL_CPU_TIER), e.g. the AVX2 laptop tiers on an AVX-512 machine.
 """
 
 from __future__ import annotations

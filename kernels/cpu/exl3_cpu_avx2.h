@@ -124,7 +124,8 @@ inline void permute_row(const float* ut, __m256* ue, int stride) {
     const __m256 top = _mm256_loadu_ps(ut), bottom = _mm256_loadu_ps(ut + 8);
     for (int q = 0; q < 4; ++q) {
         const __m256i idx = _mm256_setr_epi32(2 * q, 2 * q + 1, 2 * q, 2 * q + 1, 2 * q, 2 * q + 1, 2 * q, 2 * q + 1);
-        ue[q * stride] = _mm256_blend_ps(_mm256_permutevar8x32_ps(top, idx), _mm256_permutevar8x32_ps(bottom, idx), 0xCC);
+        ue[q * stride] =
+            _mm256_blend_ps(_mm256_permutevar8x32_ps(top, idx), _mm256_permutevar8x32_ps(bottom, idx), 0xCC);
     }
 }
 
