@@ -123,12 +123,14 @@ def checks_for(kernel: type, device: torch.device, bits: float = 4, codebook: st
 
     instance = kernel(KernelSpec(*SIZES[kind(device)][0], bits, codebook, dtype), DeviceInfo.of(device))
     few = instance.path_for(1)
-    checks = {str(few): _check_apply(kernel, (1,), dtype)}
-    for rows in (4, 8, 16, 32, MANY_ROWS):
-        many = instance.path_for(rows)
-        if many != few:
-            checks[str(many)] = _check_apply(kernel, tuple(dict.fromkeys((rows, MANY_ROWS))), dtype)
-            break
+    counts = (1, 3, 4, 8, 16, 32, MANY_ROWS)
+    served_few = [rows for rows in counts if instance.path_for(rows) == few]
+    # the few-row path's one-row loop and its multi-row loop (a pass per group of rows held in registers) are separate
+    # code: 1 row, 3 rows and the most rows it serves among these counts
+    checks = {str(few): _check_apply(kernel, tuple(dict.fromkeys((1, *served_few[1:2], served_few[-1]))), dtype)}
+    past = next((rows for rows in counts if instance.path_for(rows) != few), None)
+    if past is not None:
+        checks[str(instance.path_for(past))] = _check_apply(kernel, tuple(dict.fromkeys((past, MANY_ROWS))), dtype)
     return checks
 
 

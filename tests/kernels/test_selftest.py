@@ -348,3 +348,27 @@ def test_the_cpu_gemm_check_refuses_either_amx_form_that_is_wrong(monkeypatch):
     monkeypatch.setattr(ops.CpuLinear, "_gemm_amx", wrong_past_the_u_split)
     ok, _, _, why = check(4, "mul1", torch.device("cpu"), (128, 128))
     assert not ok and why.startswith(f"at {selftest_checks.MANY_ROWS} rows"), why
+
+
+def test_the_cpu_gemv_check_runs_its_multi_row_loop():
+    """The CPU GEMV serves one row through one loop and 2 rows up to its crossover through another (rows held in
+    registers, a pass per group): the load-time check of that path runs both, so a wrong multi-row loop is refused
+    although one row is right."""
+    from exl3local.kernels.cpu import ops
+    from exl3local.kernels.dispatch import CpuLinearKernel
+
+    if CpuLinearKernel.refuse(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo.of(torch.device("cpu"))):
+        pytest.skip("the CPU library is not built here")
+    name, check = next(iter(selftest_checks.checks_for(CpuLinearKernel, torch.device("cpu")).items()))
+    ok, _, _, why = check(4, "mul1", torch.device("cpu"), (128, 128))
+    assert ok, why
+    right = ops.CpuLinear.__call__
+
+    def wrong_past_one_row(self, x, *args, **kwargs):
+        y = right(self, x, *args, **kwargs)
+        return y * 1.01 if 1 < x.shape[0] <= self.gemv_rows else y
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops.CpuLinear, "__call__", wrong_past_one_row)
+        ok, _, _, why = check(4, "mul1", torch.device("cpu"), (128, 128))
+    assert not ok and why.startswith("at 3 rows"), (name, why)
