@@ -76,8 +76,8 @@ def finish_block(z_ptr, stride_zs, splits, row0, rows, size_n, col0, svh_ptr, bi
                  HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, RING: tl.constexpr, map_ptr=None, map_mul=1, map_add=0,
                  ROWMAP: tl.constexpr = False, SL: tl.constexpr = SPLIT_LOADS, FRAG: tl.constexpr = False):
     """y rows [row0, row0 + rows) of the 128-column block at col0 from the stored split partials (columns in
-    ring order if RING, fragment order if RING and FRAG, else natural), EPILOGUE_ROWS at a time (a whole 16-row tile at once needed ~100
-    registers and set the kernel's occupancy), SL splits' partials loaded per step of the sum. ROWMAP: the rows are
+    ring order if RING, fragment order if RING and FRAG, else natural), EPILOGUE_ROWS at a time (a whole 16-row
+    tile at once needed ~100 registers and set the kernel's occupancy), SL splits' partials loaded per step of the sum. ROWMAP: the rows are
     positions into map_ptr, and position r's partials and output are at row map[r]·map_mul + map_add (a grouped MoE
     tile's expert-sorted units)."""
     c = tl.arange(0, 128)

@@ -144,7 +144,8 @@ def test_an_eager_cpu_engine_runs_vllms_sampler_helpers_without_torch_compile(ti
     model = tiny_models["tiny-llama-exl3-4.0bpw"]
     bud = budget.Budget(kv_budget_bytes=1, kv_budget_tokens=1, kv_bytes_per_token=1, max_model_len=512, pinned=True)
     compiled = profiles.with_overrides(profiles.load("cpu"), {"vllm.enforce_eager": "false"})
-    compiled_spec = launch.build(model, compiled, bud, port=1, tmpdir=str(tmp_path / "c"), uds="engine.sock", base_env={})
+    compiled_spec = launch.build(model, compiled, bud, port=1, tmpdir=str(tmp_path / "c"), uds="engine.sock",
+                                 base_env={})
     assert "TORCHDYNAMO_DISABLE" not in compiled_spec.env  # compiled mode: the user's choice
     mine = launch.build(model, profiles.load("cpu"), bud, port=1, tmpdir=str(tmp_path / "m"), uds="engine.sock",
                         base_env={"TORCHDYNAMO_DISABLE": "0"})

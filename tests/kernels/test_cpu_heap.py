@@ -47,7 +47,8 @@ print("mmapped" if libc.mallinfo2().hblkhd - mapped >= block.numel() else "heap"
 def test_binding_a_layer_hands_large_freed_blocks_back_to_the_os(tmp_path):
     """A prefill's activations (MiBs each) must not stay resident in the heap once freed (heap.release_large_frees):
     after a 31 MiB block is freed, which raises glibc's own mmap threshold to 31 MiB, a 28 MiB block must still be
-    mmapped (its free then unmaps it) in a process that has bound a layer, and comes from the heap in one that has not."""
+    mmapped (its free then unmaps it) in a process that has bound a layer, and comes from the heap in one that has
+    not."""
     if not hasattr(ctypes.CDLL(None), "mallinfo2"):
         pytest.skip("needs glibc's mallinfo2 to see where a block lives")
     assert _run(_BLOCK_PLACEMENT, "unbound", tmp_path) == "heap", \
