@@ -49,6 +49,23 @@ def test_one_row_gemv_matches_the_gemm_path_at_every_rate():
                                        msg=lambda m, t=tier, c=codebook, b=bits: f"{t} {c} {b}: {m}")
 
 
+def test_multi_row_gemv_equals_the_one_row_loop_row_by_row():
+    """The GEMV's 2-24-row loop (8 rows per pass, accumulators in registers; exl3_cpu_avx512.h / _avx2.h gemv_rows)
+    keeps each output's fma order, so every row equals a one-row call bit for bit, on every tier this CPU runs (the
+    one-row loop is another code: pairs of groups, AVX512-FP16's 16-bit lanes). Forced to 24 rows where the tier's
+    crossover is lower (AMX CPUs, the portable tier)."""
+    for codebook, bits in (("mul1", 4), ("3inst", 3), ("mcg", 2), ("mul1", 3.5)):
+        trellis, suh, svh = _layer(256, 384, bits, codebook, seed=int(3 * bits))
+        x = torch.randn(24, 256, generator=torch.Generator().manual_seed(3))
+        for tier in TIERS:
+            lin = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier=tier, int8=False)
+            lin.gemv_rows = ops.GEMV_MAX_ROWS_SIMD
+            one = torch.cat([lin(x[i : i + 1]) for i in range(24)])
+            for m in (2, 3, 5, 8, 9, 13, 24):
+                got = lin(x[:m])
+                assert torch.equal(got, one[:m]), f"{tier} {codebook} {bits} m={m}: {(got - one[:m]).abs().max()}"
+
+
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3), ("mcg", 8), ("mul1", 2.5)])
 @pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1, ops.GEMV_MAX_ROWS_SIMD + 1])
 def test_both_paths_match_the_reference(codebook, bits, rows):
