@@ -76,15 +76,16 @@ heap.set_forward_scope(lambda: forward)
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
 libc.free.argtypes = (ctypes.c_void_p,)
-# 48 MiB of freed 2 MiB blocks (under the 4 MiB mmap threshold: heap), each before a live 64 KiB block (too large
-# for glibc's per-thread cache, so it comes after the 2 MiB one), so free() cannot trim them: a prefill's activations
-# as the heap keeps them.
+# 48 MiB of freed 2 MiB blocks (under the 4 MiB mmap threshold: heap), each before a live block, so free() cannot
+# trim them: a prefill's activations as the heap keeps them. The live blocks are as large (never touched: not
+# resident), so no free chunk the interpreter's start left in the heap can take them instead (64 KiB ones went into
+# such holes on the H200's host, leaving the freed blocks next to the top, where free() trimmed them).
 start = resident()
 blocks, live = [], []
 for _ in range(24):
     blocks.append(libc.malloc(2 << 20))
     ctypes.memset(blocks[-1], 1, 2 << 20)
-    live.append(libc.malloc(64 << 10))
+    live.append(libc.malloc(2 << 20))
 for b in blocks:
     libc.free(b)
 forward = Forward()
