@@ -149,7 +149,7 @@ def linear_prefill(args, cfg: dict) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     hidden, inter, m = cfg["hidden_size"], cfg["intermediate_size"], args.prefill
-    gemv = m <= ops.gemv_max_rows(ops.library(), False)
+    gemv = m <= ops.gemv_max_rows(ops.library())
     served = "GEMV" if gemv else "GEMM " + ("AMX" if ops.amx_active(ops.library()) else "fp32 (no AMX)")
     g = torch.Generator().manual_seed(0)
     for k, n in ((hidden, hidden), (hidden, 2 * inter), (inter, hidden)):

@@ -238,7 +238,7 @@ class CpuLinearKernel(Exl3Kernel):
         # The GEMM path runs on AMX where the CPU has it and ops.CpuLinear.amx_rows says (bf16 rows; fp32 and fp16
         # rows up to AMX_U_MAX_ROWS), fp32 BLAS otherwise.
         self.amx = ops.amx_active(ops.library())
-        self.gemv_rows = ops.gemv_max_rows(ops.library(), self.int8)
+        self.gemv_rows = ops.gemv_max_rows(ops.library())
 
     @classmethod
     def refuse(cls, spec: KernelSpec, device: DeviceInfo) -> str | None:
@@ -257,7 +257,7 @@ class CpuLinearKernel(Exl3Kernel):
         if rows > self.gemv_rows:
             amx = self.amx and ops.CpuLinear.amx_rows(self.spec.act_dtype, rows)
             return KernelPath.CPU_GEMM_AMX if amx else KernelPath.CPU_GEMM
-        return KernelPath.CPU_GEMV_INT8 if self.int8 else KernelPath.CPU_GEMV
+        return KernelPath.CPU_GEMV_INT8 if self.int8 and rows <= ops.INT8_MAX_ROWS else KernelPath.CPU_GEMV
 
     def apply(self, x, trellis, suh, svh, bias=None):
         if x.shape[-1] != self.spec.size_k:

@@ -1,8 +1,8 @@
 """Routed experts on the CPU, not a Python loop over experts: every (token, expert) unit of a decode or verify step
 in two library calls (gate and up of all units together, then down); a grouped step (a few to a hundred tokens)
-likewise, its rows binned by expert: experts with up to GEMV_MAX_ROWS rows as units (each decoded weight serves all
-of the expert's rows), busier experts one at a time through CpuLinear (its GEMV up to ops.gemv_max_rows rows, then
-the GEMM path: Ŵ decoded once per strip, then BLAS, or AMX).
+likewise, its rows binned by expert: experts with up to ops.gemv_max_rows rows (24 on the AVX-512 and AVX2 tiers
+without AMX, else 8) as units (each decoded weight serves all of the expert's rows), busier experts one at a time
+through CpuLinear's GEMM path (Ŵ decoded once per strip, then BLAS, or AMX).
 
     experts = CpuExperts(w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, proj)   # once per layer
     out = experts.units(xf, weights, ids)      # (T, padded hidden) fp32, routing weights applied
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from exl3local.kernels.cpu.ops import GEMV_MAX_ROWS, CpuExpertProjection, CpuLinear
+from exl3local.kernels.cpu.ops import CpuExpertProjection, CpuLinear
 
 
 def refusal(proj: dict) -> str | None:
@@ -36,6 +36,7 @@ class CpuExperts:
         self.w13 = CpuExpertProjection(w13_trellis.view(2 * E, *gate.trellis_shape), w13_suh.view(2 * E, gate.size_k),
                                        w13_svh.view(2 * E, gate.size_n), gate.bits, gate.codebook)
         self.w2 = CpuExpertProjection(w2_trellis, w2_suh, w2_svh, down.bits, down.codebook)
+        self.unit_rows = self.w13.unit_rows
         self.bound: dict[int, tuple] = {}
 
     def units(self, xf: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -64,16 +65,17 @@ class CpuExperts:
         begin = counts.cumsum(0) - counts
         token_of = order // top_k
         y = torch.empty(rows, self.hidden, dtype=torch.float32)
-        light = counts <= GEMV_MAX_ROWS
+        light = counts <= self.unit_rows
         if light.any():
             unit_ids, unit_begin, unit_counts = experts[light], begin[light], counts[light]
+            most = int(unit_counts.max())
             # unit rows packed: gate units over [0, n), up units over [n, 2n), down over [0, n)
             starts = torch.cat((torch.zeros(1, dtype=torch.long), unit_counts.cumsum(0)))
             n = int(starts[-1])
             picked = torch.arange(n) + torch.repeat_interleave(unit_begin - starts[:-1], unit_counts)  # their sorted rows
             gu = self.w13.grouped(xf, torch.cat((token_of[picked],) * 2), torch.cat((2 * unit_ids, 2 * unit_ids + 1)),
-                                  torch.cat((starts[:-1], starts + n)))
-            y[picked] = self.w2.grouped(F.silu(gu[:n]) * gu[n:], torch.arange(n), unit_ids, starts)
+                                  torch.cat((starts[:-1], starts + n)), most)
+            y[picked] = self.w2.grouped(F.silu(gu[:n]) * gu[n:], torch.arange(n), unit_ids, starts, most)
         for e, b, c in zip(experts[~light].tolist(), begin[~light].tolist(), counts[~light].tolist()):
             gate, up, down = self._expert(e)
             x = xf[token_of[b : b + c]]

@@ -7,7 +7,8 @@
     y = layer(x)                                          # (..., in_features) -> (..., Σ n), one library call
 
 GEMV (m <= gemv_max_rows): one pass over the trellis, Ŵ decoded in registers, both Hadamard transforms in
-the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations, not exact (int8_active). GEMM (more rows):
+the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations at one row, not exact (int8_active). GEMM
+(more rows):
 bf16 activations on AMX where the CPU has it (amx_active: exact, W' in three bf16 planes), else Ŵ decoded once per
 strip of columns into fp32 and multiplied by torch's BLAS.
 Both use torch's intra-op thread count (the engine's threads) and, since the library links the same
@@ -26,13 +27,20 @@ from exl3local import env
 from exl3local.kernels.codebook import CODEBOOKS, lut
 from exl3local.kernels.cpu import build, heap
 
-# Rows up to which the one-pass GEMV serves where the GEMM path runs on AMX (its u split wins from 9 rows), the library
-# is the portable tier (its GEMV lost 2x to the GEMM path at 8 rows on Zen 4) or the layer runs int8 activations; and
-# the most rows of one MoE unit.
+# Rows up to which the one-pass GEMV serves where the GEMM path runs on AMX (its u split wins from 9-12 rows: Emerald
+# Rapids, session 17).
 GEMV_MAX_ROWS = 8
+# The same on the portable tier (the codebook as a table, no SIMD): its GEMV beat decode-strip + BLAS 1.15-1.74x at
+# 1-2 rows, 0.93-1.37x at 3, and lost from 4 (0.75-0.82x; 0.43-0.53x at 8) on Zen 4 at 1 thread (session 17).
+GEMV_MAX_ROWS_PORTABLE = 3
 # The same on the AVX-512 and AVX2 tiers without AMX: their GEMV (8 rows per pass, each group's accumulators in
-# registers) beat decode-strip + fp32 BLAS up to 24-28 rows on Zen 4 at 1 thread (docs/PERF.md, CPU, session 16).
+# registers) beat decode-strip + fp32 BLAS up to 24-28 rows on Zen 4 at 1 thread (docs/PERF.md, CPU, session 16), and
+# the avx2vnni tier's up to 24-32 on Emerald Rapids (session 17). MoE experts with as many rows run as units.
 GEMV_MAX_ROWS_SIMD = 24
+# Rows up to which an int8 layer's GEMV takes int8 activations: its loop for more rows keeps the accumulators in memory
+# (as the exact loop did before session 16) and took 1.2-2.8x the exact GEMV's time at 4-8 rows (Emerald Rapids, 1-16
+# threads; slower at 2 rows on Zen 4 too), so from 2 rows an int8 layer runs the exact GEMV, up to gemv_max_rows.
+INT8_MAX_ROWS = 1
 # fp32 elements of one decoded strip (8 MiB): large enough for an efficient GEMM, small beside the weights.
 STRIP_ELEMENTS = 2 << 20
 # Rows per pass of the GEMM path (a chunked prefill sends up to max_num_batched_tokens): each strip is decoded once
@@ -119,7 +127,7 @@ def refusal() -> str | None:
 
 
 def int8_active(codebook: str, lib: ctypes.CDLL | None = None, requested: bool | None = None) -> bool:
-    """Whether one-row..GEMV_MAX_ROWS calls of a `codebook` layer run with int8 activations: asked for
+    """Whether one-row calls (INT8_MAX_ROWS) of a `codebook` layer run with int8 activations: asked for
     (`requested`, default EXL3LOCAL_CPU_INT8), a mul1 layer (its codebook is a byte sum: one vpdpbusd per 16
     weights) and the AVX-512 tier. Not exact (activations rounded to int8 per row, Ŵ's fp16 rounding skipped), so
     an opt-in; the GEMM path (prefill) stays exact."""
@@ -137,9 +145,11 @@ def amx_active(lib: ctypes.CDLL) -> bool:
             and bool(lib.exl3_cpu_amx()))
 
 
-def gemv_max_rows(lib: ctypes.CDLL, int8: bool) -> int:
-    """Rows up to which a call on `lib` runs the one-pass GEMV (GEMV_MAX_ROWS, GEMV_MAX_ROWS_SIMD)."""
-    return GEMV_MAX_ROWS if int8 or amx_active(lib) or lib.exl3_cpu_tier() == 0 else GEMV_MAX_ROWS_SIMD
+def gemv_max_rows(lib: ctypes.CDLL) -> int:
+    """Rows up to which a call on `lib` runs the one-pass GEMV (GEMV_MAX_ROWS, _PORTABLE, _SIMD)."""
+    if lib.exl3_cpu_tier() == 0:
+        return GEMV_MAX_ROWS_PORTABLE
+    return GEMV_MAX_ROWS if amx_active(lib) else GEMV_MAX_ROWS_SIMD
 
 
 def _bits2(bits: float) -> int:
@@ -173,7 +183,7 @@ class CpuLinear:
         _bind_operands(self, library(tier), trellis, trellis.shape[0], trellis.shape[1], suh, svh, bits, codebook)
         self.int8 = int8_active(codebook, self.lib, int8)
         self.amx = amx_active(self.lib)
-        self.gemv_rows = gemv_max_rows(self.lib, self.int8)
+        self.gemv_rows = gemv_max_rows(self.lib)
 
     @staticmethod
     def amx_rows(dtype: torch.dtype, rows: int) -> bool:
@@ -186,7 +196,7 @@ class CpuLinear:
     def path_for(self, rows: int) -> str:
         if rows > self.gemv_rows:
             return "gemm"
-        return "gemv_int8" if self.int8 else "gemv"
+        return "gemv_int8" if self.int8 and rows <= INT8_MAX_ROWS else "gemv"
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -202,7 +212,7 @@ class CpuLinear:
             u = torch.empty(m, self.size_k, dtype=torch.float32)
             self.lib.exl3_cpu_gemv(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
                                    self.lut_ptr, x.data_ptr(), self.suh.data_ptr(), self.svh.data_ptr(), u.data_ptr(),
-                                   y.data_ptr(), m, threads, int(self.int8))
+                                   y.data_ptr(), m, threads, int(self.int8 and m <= INT8_MAX_ROWS))
         if bias is not None:
             y += bias.float()
         return y if out_dtype == torch.float32 else y.to(out_dtype)
@@ -282,6 +292,8 @@ class CpuExpertProjection:
         if not trellis.is_contiguous():
             raise ValueError("the CPU kernel reads the expert trellises as stored: they must be contiguous")
         _bind_operands(self, library(), trellis, trellis.shape[1], trellis.shape[2], suh, svh, bits, codebook)
+        # Rows up to which an expert runs as a unit of grouped(): where CpuLinear's GEMV would serve them too.
+        self.unit_rows = gemv_max_rows(self.lib)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int = 1) -> torch.Tensor:
         """Unit i = row x[i // x_div] through expert ids[i] (< 0: another rank's, its row stays zero):
@@ -296,9 +308,10 @@ class CpuExpertProjection:
                               self.svh.data_ptr(), u.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
 
-    def grouped(self, x: torch.Tensor, xrow: torch.Tensor, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """Unit i = rows start[i]:start[i+1] (at most GEMV_MAX_ROWS) through expert ids[i] (>= 0), row r's input
-        being x[xrow[r]]: x (rows, k) -> y (start[-1], n) fp32, in one library call."""
+    def grouped(self, x: torch.Tensor, xrow: torch.Tensor, ids: torch.Tensor, start: torch.Tensor,
+                max_rows: int) -> torch.Tensor:
+        """Unit i = rows start[i]:start[i+1] (at most max_rows, which sizes the GEMV's accumulators) through expert
+        ids[i] (>= 0), row r's input being x[xrow[r]]: x (rows, k) -> y (start[-1], n) fp32, in one library call."""
         x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
         xrow, ids, start = (t.to(torch.int32).contiguous() for t in (xrow, ids, start))
         rows = xrow.numel()
@@ -306,7 +319,7 @@ class CpuExpertProjection:
         u = torch.empty(rows, self.size_k, dtype=torch.float32)
         self.lib.exl3_cpu_moe_grouped(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
                                       self.lut_ptr, x.data_ptr(), xrow.data_ptr(), ids.data_ptr(), start.data_ptr(),
-                                      ids.numel(), GEMV_MAX_ROWS, self.suh.data_ptr(), self.svh.data_ptr(),
+                                      ids.numel(), max_rows, self.suh.data_ptr(), self.svh.data_ptr(),
                                       u.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
 
@@ -358,7 +371,7 @@ class CpuFusedLinear:
         xf = x2d.float()
         xf = torch.nn.functional.pad(xf, (0, pad)) if pad else xf.contiguous()
         u = torch.empty(self.count * m * self.size_k, dtype=torch.float32)
-        qab = torch.empty(self.count * m * 2, dtype=torch.float32) if self.int8 else None
+        qab = torch.empty(self.count * m * 2, dtype=torch.float32) if self.int8 and m <= INT8_MAX_ROWS else None
         y = torch.empty(m, self.width, dtype=torch.float32)
         self.lib.exl3_cpu_gemv_parts(self.count, self.trellis_ptrs, self.tiles_k, self.tiles_n, self.bits2,
                                      self.codebook, self.lut_ptr, xf.data_ptr(), self.suh_ptrs, self.svh_ptrs,

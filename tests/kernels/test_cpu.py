@@ -67,7 +67,7 @@ def test_multi_row_gemv_equals_the_one_row_loop_row_by_row():
 
 
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3), ("mcg", 8), ("mul1", 2.5)])
-@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1, ops.GEMV_MAX_ROWS_SIMD + 1])
+@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS_PORTABLE, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1, ops.GEMV_MAX_ROWS_SIMD + 1])
 def test_both_paths_match_the_reference(codebook, bits, rows):
     trellis, suh, svh = _layer(384, 256, bits, codebook, seed=rows)
     x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(1))
@@ -205,10 +205,11 @@ def test_moe_units_match_a_per_expert_loop():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens", [5, 40])  # experts with up to GEMV_MAX_ROWS rows (units), and busier ones (GEMM)
+# experts with up to 8 rows (units), 9-24 (units where the tier's GEMV serves 24 rows, else CpuLinear), busier (GEMM)
+@pytest.mark.parametrize("tokens", [5, 16, 40])
 def test_moe_grouped_matches_the_units(tokens):
-    """The grouped path (rows binned by expert; experts with few rows as units, busier ones through the GEMM path)
-    against the one-row units, with remote experts (-1)."""
+    """The grouped path (rows binned by expert; experts with up to unit_rows rows as units, busier ones through the
+    GEMM path) against the one-row units, with remote experts (-1)."""
     from exl3local.kernels.cpu.moe import CpuExperts
 
     E, hidden, inter, top_k = 4, 256, 384, 3
@@ -221,6 +222,8 @@ def test_moe_grouped_matches_the_units(tokens):
     x = torch.randn(tokens, hidden, generator=g)
     ids = torch.randint(-1, E, (tokens, top_k), generator=g)
     weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    counts = torch.bincount(ids[ids >= 0], minlength=E)
+    assert tokens != 16 or ((counts > 8) & (counts <= 24)).any(), counts  # the 9-24-row case is in the draw
     got = experts.grouped(x, weights, ids)
     torch.testing.assert_close(got, experts.units(x, weights, ids), rtol=1e-5, atol=1e-6)
 
