@@ -2,12 +2,12 @@
 units up to 8 rows with the busier experts one at a time through CpuLinear (its GEMV up to the tier's crossover).
 
     .venv/bin/python -P bench/cpu_moe_units.py [--shape E,hidden,inter,top_k ...] [--tokens 16 32 64 128]
-                                               [--threads 1] [--reps 9]
+        [--threads 1] [--reps 9] [--clock cpu|wall]
 
 Synthetic mul1 K4 experts, routing uniform at random (seeded; real routers are skewed, which puts more rows on the
-popular experts). Per shape and token count: ms (--clock: CPU time or wall) of CpuExperts.grouped with unit_rows = 8 and with the
-library's default (ops.gemv_max_rows: 24 on the AVX-512 and AVX2 tiers without AMX), median of --reps calls, best of
-three rounds alternating the two; how many experts had 9-24 rows; and whether the outputs agree bit for bit.
+popular experts). Per shape and token count: ms (--clock: CPU time or wall) of CpuExperts.grouped with unit_rows = 8
+and with the library's default (ops.gemv_max_rows: 24 on the AVX-512 and AVX2 tiers without AMX), median of --reps
+calls, best of three rounds alternating the two; how many experts had 9-24 rows; whether the outputs agree bit for bit.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def experts_for(E: int, hidden: int, inter: int, g: torch.Generator):
 
     w13 = torch.randint(-32768, 32768, (E, 2, hidden // 16, inter // 16, 64), generator=g, dtype=torch.int16)
     w2 = torch.randint(-32768, 32768, (E, inter // 16, hidden // 16, 64), generator=g, dtype=torch.int16)
-    scales = [(torch.randn(*s, generator=g) * 0.1).half() for s in ((E, 2, hidden), (E, 2, inter), (E, inter), (E, hidden))]
+    shapes = ((E, 2, hidden), (E, 2, inter), (E, inter), (E, hidden))
+    scales = [(torch.randn(*s, generator=g) * 0.1).half() for s in shapes]
     proj = {"gate": Proj(hidden, inter), "up": Proj(hidden, inter), "down": Proj(inter, hidden)}
     return CpuExperts(w13, scales[0], scales[1], w2, scales[2], scales[3], proj)
 
@@ -75,10 +76,12 @@ def main() -> None:
                 for cap in (8, default):
                     experts.unit_rows = cap
                     outs[cap] = experts.grouped(x, weights, ids)
-                    best[cap] = min(best.get(cap, 1e9), median(lambda: experts.grouped(x, weights, ids), args.reps, clock))
+                    took = median(lambda: experts.grouped(x, weights, ids), args.reps, clock)
+                    best[cap] = min(best.get(cap, 1e9), took)
             experts.unit_rows = default
             same = torch.equal(outs[8], outs[default])
-            print(f"E={E} hidden={hidden} inter={inter} top{top_k} tokens={tokens}: experts with 9-{default} rows {mid}"
+            print(f"E={E} hidden={hidden} inter={inter} top{top_k} tokens={tokens}: "
+                  f"experts with 9-{default} rows {mid}"
                   f" (most rows {int(counts.max())}); units<=8 {best[8] * 1e3:.2f} ms, units<={default}"
                   f" {best[default] * 1e3:.2f} ms ({best[8] / best[default]:.2f}x); bit-identical {same}", flush=True)
     print(f"load after {os.getloadavg()}", flush=True)

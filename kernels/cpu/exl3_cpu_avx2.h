@@ -216,6 +216,8 @@ template <int CB>
 void decode8_impl(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, int tn0, int tn1, float* out,
                   int threads) {
     const Groups8& g = groups8_for(r);
+    alignas(32) int rowpos[16][16];  // position of (row, col) inside a tile
+    for (int p = 0; p < POSITIONS; ++p) rowpos[row_of(p)][col_of(p)] = p;
     const int words16 = 2 * r.words32, width = (tn1 - tn0) * 16;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int tk = 0; tk < tiles_k; ++tk)
@@ -224,8 +226,14 @@ void decode8_impl(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& 
             alignas(32) float tile[POSITIONS];
             for (int gi = 0; gi < GROUPS8; ++gi)
                 _mm256_store_ps(tile + 8 * gi, decode8<CB>(GroupView8(g, gi).states(U, r.words32)));
+            // each output row's 16 weights gathered from the tile (in L1), stored whole: the per-weight scalar
+            // scatter this replaces cost as much as the portable tier's whole decode (2.2 ns/w, Zen 4)
             float* o = out + (size_t)tk * 16 * width + (tn - tn0) * 16;
-            for (int p = 0; p < POSITIONS; ++p) o[(size_t)row_of(p) * width + col_of(p)] = tile[p];
+            for (int rr = 0; rr < 16; ++rr)
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i at = _mm256_load_si256((const __m256i*)&rowpos[rr][8 * h]);
+                    _mm256_storeu_ps(o + (size_t)rr * width + 8 * h, _mm256_i32gather_ps(tile, at, 4));
+                }
         }
 }
 

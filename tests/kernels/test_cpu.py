@@ -67,7 +67,8 @@ def test_multi_row_gemv_equals_the_one_row_loop_row_by_row():
 
 
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3), ("mcg", 8), ("mul1", 2.5)])
-@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS_PORTABLE, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1, ops.GEMV_MAX_ROWS_SIMD + 1])
+@pytest.mark.parametrize("rows", [1, ops.GEMV_MAX_ROWS_PORTABLE, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1,
+                                  ops.GEMV_MAX_ROWS_SIMD + 1])
 def test_both_paths_match_the_reference(codebook, bits, rows):
     trellis, suh, svh = _layer(384, 256, bits, codebook, seed=rows)
     x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(1))
