@@ -1,8 +1,8 @@
 """Routed experts on the CPU, not a Python loop over experts: every (token, expert) unit of a decode or verify step
 in two library calls (gate and up of all units together, then down); a grouped step (a few to a hundred tokens)
 likewise, its rows binned by expert: experts with up to ops.gemv_max_rows rows (24 on the AVX-512 and AVX2 tiers
-without AMX, else 8) as units (each decoded weight serves all of the expert's rows), busier experts one at a time
-through CpuLinear's GEMM path (Ŵ decoded once per strip, then BLAS, or AMX).
+without AMX, 8 with AMX, 3 on the portable tier) as units (each decoded weight serves all of the expert's rows), busier
+experts one at a time through CpuLinear's GEMM path (Ŵ decoded once per strip, then BLAS, or AMX).
 
     experts = CpuExperts(w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, proj)   # once per layer
     out = experts.units(xf, weights, ids)      # (T, padded hidden) fp32, routing weights applied

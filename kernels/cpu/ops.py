@@ -7,10 +7,9 @@
     y = layer(x)                                          # (..., in_features) -> (..., Σ n), one library call
 
 GEMV (m <= gemv_max_rows): one pass over the trellis, Ŵ decoded in registers, both Hadamard transforms in
-the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations at one row, not exact (int8_active). GEMM
-(more rows):
-bf16 activations on AMX where the CPU has it (amx_active: exact, W' in three bf16 planes), else Ŵ decoded once per
-strip of columns into fp32 and multiplied by torch's BLAS.
+the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations at one row, not exact (int8_active).
+GEMM (more rows): bf16 activations on AMX where the CPU has it (amx_active: exact, W' in three bf16 planes), else Ŵ
+decoded once per strip of columns into fp32 and multiplied by torch's BLAS.
 Both use torch's intra-op thread count (the engine's threads) and, since the library links the same
 OpenMP runtime torch loaded (libgomp.so.1), the same worker threads.
 """
