@@ -26,7 +26,7 @@ from exl3local.kernels.hadamard import HADAMARD_BLOCK, HADAMARD_SCALE
 from exl3local.kernels.bound_reconstruct import ReconstructLaunch
 from exl3local.kernels.launcher import DirectLaunch, Workspace, launch_mode
 from exl3local.kernels.selftest import one_launch_refusal
-from exl3local.kernels.triton_decode import lanes_per_superlane, rate_constants, words
+from exl3local.kernels.triton_decode import FRAGMENT_KWIDTH, lanes_per_superlane, rate_constants, words
 from exl3local.kernels.triton_fused import FUSED_BLOCK_N_TILES, exl3_fused_kernel, split_loads
 from exl3local.kernels.triton_gemv import (
     FMA_ONE_ROW_BITS, TILE_ROWS, TILED_PROGRAMS_PER_CORE, choose_splits, compute_units, exl3_gemv_ring_kernel,
@@ -59,14 +59,15 @@ WAVE_MAX_REGISTERS = {4: 56}
 ONE_WAVE_PROGRAMS = 8
 
 
-def fragment_order(bits: float, device: torch.device) -> bool:
-    """FRAG of the decode matmul (up to MAX_ROWS rows): the weight operand in the matrix unit's fragment order
-    (triton_decode.fragment_operand) where a lane's decoded weights are a fragment (G = 1: 4 and 8 bits), except on
+def fragment_order(bits: float, device: torch.device) -> int:
+    """FRAG of the decode matmul (up to MAX_ROWS rows; 0: ring order): the weight operand in the matrix unit's fragment
+    order (triton_decode.fragment_operand, rows for the installed Triton's operand width: FRAGMENT_KWIDTH) where a
+    lane's decoded weights are a fragment (G = 1: 4 and 8 bits), except on
     XPU. There Intel's backend (3.3, offline Xe2 compile, compile_kernels' IR) stages Ŵ through shared local memory in
     either order, in this one with half-width stores (16 <2 x half> instead of 8 <4 x half>) and u read back one fp16
     at a time (16 loads instead of one of 16): more work per K step, so XPU keeps the ring order (unverified on Arc).
     The tiled path (8 warps: not the fragment's layout) keeps it everywhere."""
-    return device.type != "xpu" and lanes_per_superlane(bits) == 1
+    return FRAGMENT_KWIDTH if device.type != "xpu" and lanes_per_superlane(bits) == 1 else 0
 
 
 def tiled_max_rows() -> int:
@@ -126,8 +127,9 @@ class FusedLaunch:
         self.fma_fixed = dict(w_ptr=self.fused_fixed["w_ptr"], svh_ptr=svh, bias_ptr=self.fused_fixed["bias_ptr"],
                               size_k=self.size_k, tiles_n=self.size_n // 16, **rate_constants(bits, codebook),
                               EPILOGUE=True, HAS_BIAS=bias is not None, SCALE=HADAMARD_SCALE)
+        self.fused_fixed["PF"] = self.fused_fixed["FRAG"] > 0  # the next K step's words in flight (triton_ring_dot)
         self.tiled_fixed = dict(self.fused_fixed, BM=TILE_ROWS, KT=tile_kt, k_steps=self.size_k // 16 // tile_kt,
-                                FRAG=False)
+                                FRAG=0, PF=False)
         self.bits = bits
         self.splits: dict[int, tuple[int, int]] = {}
         self.tiled_splits: dict[int, tuple[int, int]] = {}

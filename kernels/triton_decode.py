@@ -125,21 +125,53 @@ def _ring_word(row_base, tile_off, s, mask, WI: tl.constexpr, WPS: tl.constexpr,
 @triton.jit
 def ring_state(row_base, tile_off, s, mask, g: tl.constexpr, j: tl.constexpr, KA: tl.constexpr,
                HALF: tl.constexpr, WPS: tl.constexpr, W32: tl.constexpr, FKT: tl.constexpr = 0,
-               FBNT: tl.constexpr = 0):
-    """States (uint32, 0..65535) of position 8g+j of every super-lane s of every tile (FKT: as _ring_word)."""
+               FBNT: tl.constexpr = 0, W0=None, W1=None, W2=None):
+    """States (uint32, 0..65535) of position 8g+j of every super-lane s of every tile (FKT: as _ring_word); with W0
+    (G = 1) the window's words as window_words loaded them, no load here."""
     # Compile-time position arithmetic: the position's state ends at stream bit `end` of its super-lane.
     p = 8 * g + j
     end = (p + 1) * KA + ((p + 1) >> 1) * HALF
     a = end + 16  # window start, counted from word 0 (the word before the super-lane)
     wi = a >> 5
     off = a & 31
-    hi = _ring_word(row_base, tile_off, s, mask, wi, WPS, W32, FKT, FBNT)
+    if W0 is not None:
+        hi = _pick(W0, W1, W2, wi)
+    else:
+        hi = _ring_word(row_base, tile_off, s, mask, wi, WPS, W32, FKT, FBNT)
     if off <= 16:
         state = (hi >> (16 - off)) & 0xFFFF
     else:
-        lo = _ring_word(row_base, tile_off, s, mask, wi + 1, WPS, W32, FKT, FBNT)
+        if W0 is not None:
+            lo = _pick(W0, W1, W2, wi + 1)
+        else:
+            lo = _ring_word(row_base, tile_off, s, mask, wi + 1, WPS, W32, FKT, FBNT)
         state = ((hi << (off - 16)) | (lo >> (48 - off))) & 0xFFFF
     return state
+
+
+@triton.jit
+def _pick(W0, W1, W2, WI: tl.constexpr):
+    if WI == 0:
+        return W0
+    elif WI == 1:
+        return W1
+    else:
+        return W2
+
+
+@triton.jit
+def window_words(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, W32: tl.constexpr):
+    """At G = 1 (4 and 8 bits: one or two words per lane) the words 0..W32/32 of every lane's window (word 0 the one
+    before the lane's own), flat as ring_tiles lays them out: what one K step of fragment_operand reads, loaded apart
+    from its decode so that a K loop can load the next step's while it decodes this one (ring_dot's PF)."""
+    WPS: tl.constexpr = W32 // 32
+    w0 = _ring_word(row_base, tile_off, s, None, 0, WPS, W32, KT, BNT)
+    w1 = _ring_word(row_base, tile_off, s, None, 1, WPS, W32, KT, BNT)
+    if WPS == 2:
+        w2 = _ring_word(row_base, tile_off, s, None, 2, WPS, W32, KT, BNT)
+    else:
+        w2 = w1
+    return w0, w1, w2
 
 
 # ---- The ring as a dot operand (v3) -----------------------------------------------------------------------
@@ -153,19 +185,23 @@ def ring_state(row_base, tile_off, s, mask, g: tl.constexpr, j: tl.constexpr, KA
 
 @triton.jit
 def _decoded(row_base, tile_off, s, g: tl.constexpr, j: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
-             WPS: tl.constexpr, W32: tl.constexpr, CODEBOOK: tl.constexpr, KT: tl.constexpr, BNT: tl.constexpr):
+             WPS: tl.constexpr, W32: tl.constexpr, CODEBOOK: tl.constexpr, KT: tl.constexpr, BNT: tl.constexpr,
+             W0=None, W1=None, W2=None):
     """Positions 8g+j and 8g+j+4 of every super-lane, [KT, BNT, 32/G] (tile_off, s flat: ring_tiles)."""
-    return (decode_half(ring_state(row_base, tile_off, s, None, g, j, KA, HALF, WPS, W32, KT, BNT), CODEBOOK),
-            decode_half(ring_state(row_base, tile_off, s, None, g, j + 4, KA, HALF, WPS, W32, KT, BNT), CODEBOOK))
+    return (decode_half(ring_state(row_base, tile_off, s, None, g, j, KA, HALF, WPS, W32, KT, BNT, W0, W1, W2),
+                        CODEBOOK),
+            decode_half(ring_state(row_base, tile_off, s, None, g, j + 4, KA, HALF, WPS, W32, KT, BNT, W0, W1, W2),
+                        CODEBOOK))
 
 
 @triton.jit
 def _lanes(row_base, tile_off, s, j: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr, WPS: tl.constexpr,
-           W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr, KT: tl.constexpr, BNT: tl.constexpr):
+           W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr, KT: tl.constexpr, BNT: tl.constexpr,
+           W0=None, W1=None, W2=None):
     """Positions j and j+4 of every lane t = s·G + g: [..., S, then one size-2 axis per bit of g (most
     significant first), then j2]."""
     if G == 1:
-        a, b = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
+        a, b = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT, W0, W1, W2)
     elif G == 2:
         a0, b0 = _decoded(row_base, tile_off, s, 0, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
         a1, b1 = _decoded(row_base, tile_off, s, 1, j, KA, HALF, WPS, W32, CODEBOOK, KT, BNT)
@@ -207,24 +243,37 @@ def ring_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA:
     return tl.reshape(x, (16 * KT, 16 * BNT))
 
 
+# FRAG (triton_fused) where the fragment order serves: the dot operand width (k values per lane and register pair) the
+# installed Triton gives a 16-row fp16 mma v2 B operand, whose k order fragment_operand must match for its conversion
+# to be a register renaming. Triton 3.6 (the H200's): kWidth 4; 3.8 and 3.9: 2; the other order costs 8 SHFL + 16 SEL
+# per K step (sm_90 SASS of the 4-bit loop, bench/sass_loop.py: 3.6 163-169 vs 191-197 instructions; 3.9 162 vs
+# 192-195). 3.7 and before 3.6 unmeasured. Both orders give the same sums (tests): only speed depends on the guess.
+FRAGMENT_KWIDTH = 4 if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8) else 2
+
+
 @triton.jit
 def fragment_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA: tl.constexpr,
-                     HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr):
+                     HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr,
+                     KWIDTH: tl.constexpr = 2, W0=None, W1=None, W2=None):
     """Ŵ of KT×8 tiles at G = 1 (4 and 8 bits) as a [16·KT, 128] fp16 dot operand indexed so that every weight
     already sits in the lane and register where the matrix unit takes it: with ring_tiles' flat layout over 4 warps (a
     tile's bits 0-1 are the warp, bit 2 a register) and a lane's positions being the mma.m16n8k16 B fragment (spec §4),
     the conversion to the dot operand is a renaming of registers, where ring_operand's order costs a shared-memory round
     trip per K step (Triton 3.9's sm_90 compile of the 4-bit kernel: 173 -> 162 loop instructions per step, 66 -> 56
-    registers; bench/sass_loop.py). Rows are natural (k = 16·kt + row: u needs no reordering); columns in fragment
-    order (fragment_cols). H200 (Triton 3.6), per 27B/35B-A3B group: 1-3 % faster than the ring order but 27B gate_up
-    (3-4 % slower until its grid fits one wave: bound.WAVE_MAX_REGISTERS; docs/PERF.md "Session 16"). Intel's
-    backend stages it through shared local memory like the ring order, less vectorized: not served on XPU
-    (bound.fragment_order)."""
+    registers; bench/sass_loop.py). KWIDTH 2: rows natural (k = 16·kt + row: u needs no reordering), the fragment's
+    own k order; 4: rows in the ring's k order (4(t&3) + 2·j1 + j0, u through ring_order_rows), the order of an operand
+    whose lanes hold 4 consecutive k (FRAGMENT_KWIDTH). Columns in fragment order (fragment_cols). W0..W2: the words
+    as window_words loaded them (else loaded here). H200 (Triton 3.6), per 27B/35B-A3B group: 1-3 % faster than the
+    ring order but 27B gate_up (3-4 % slower until its grid fits one wave: bound.WAVE_MAX_REGISTERS; docs/PERF.md
+    "Session 16"). Intel's backend stages it through shared local memory like the ring order, less vectorized: not
+    served on XPU (bound.fragment_order)."""
     tl.static_assert(BNT == 8)
-    x = tl.reshape(_ring_positions(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, True),
+    x = tl.reshape(_ring_positions(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, True, W0, W1, W2),
                    (KT, 2, 4, 8, 4, 2, 2, 2))
-    # [KT, tile>>2, tile&3, t>>2, t&3, j2, j1, j0] -> [KT, j1, t&3, j0 | tile>>2, j2, tile&3, t>>2]
-    x = tl.permute(x, (0, 6, 4, 7, 1, 5, 2, 3))
+    if KWIDTH == 4:  # [KT, tile>>2, tile&3, t>>2, t&3, j2, j1, j0] -> [KT, t&3, j1, j0 | tile>>2, j2, tile&3, t>>2]
+        x = tl.permute(x, (0, 4, 6, 7, 1, 5, 2, 3))
+    else:  # -> [KT, j1, t&3, j0 | tile>>2, j2, tile&3, t>>2]
+        x = tl.permute(x, (0, 6, 4, 7, 1, 5, 2, 3))
     return tl.reshape(x, (16 * KT, 16 * BNT))
 
 
@@ -251,15 +300,15 @@ def natural_block(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA
 @triton.jit
 def _ring_positions(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA: tl.constexpr,
                     HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr,
-                    FLAT: tl.constexpr):
+                    FLAT: tl.constexpr, W0=None, W1=None, W2=None):
     """Every position of KT×BNT tiles, [KT, BNT, 32 lanes, j2, (j1, j0)] (j = 4·j2 + 2·j1 + j0)."""
     WPS: tl.constexpr = W32 // (32 // G)  # words per super-lane
     FKT: tl.constexpr = KT if FLAT else 0
     # _lanes appends j2, the joins here j1 and j0.
-    return tl.join(tl.join(_lanes(row_base, tile_off, s, 0, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT),
-                           _lanes(row_base, tile_off, s, 2, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT)),
-                   tl.join(_lanes(row_base, tile_off, s, 1, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT),
-                           _lanes(row_base, tile_off, s, 3, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT)))
+    return tl.join(tl.join(_lanes(row_base, tile_off, s, 0, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT, W0, W1, W2),
+                           _lanes(row_base, tile_off, s, 2, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT, W0, W1, W2)),
+                   tl.join(_lanes(row_base, tile_off, s, 1, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT, W0, W1, W2),
+                           _lanes(row_base, tile_off, s, 3, KA, HALF, WPS, W32, G, CODEBOOK, FKT, BNT, W0, W1, W2)))
 
 
 @triton.jit
@@ -280,33 +329,6 @@ def ring_tiles(tn0, tiles_n, KT: tl.constexpr, BNT: tl.constexpr, W32: tl.conste
         tile_off = (tl.arange(0, KT)[:, None, None] * tiles_n + tn0 + tl.arange(0, BNT)[None, :, None]) * W32
         s = tl.arange(0, S)[None, None, :]
     return tile_off, s
-
-
-@triton.jit
-def ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, tk0, steps, tn0, KA: tl.constexpr, HALF: tl.constexpr,
-             W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr, BM: tl.constexpr, BNT: tl.constexpr,
-             KT: tl.constexpr, FLAT: tl.constexpr = True, FRAG: tl.constexpr = False):
-    """acc [BM, 16·BNT] fp32 = u[rm, K range] · Ŵ[K range, BNT tiles from tile column tn0], columns in ring
-    order (FRAG: fragment order), over `steps` steps of KT tile rows from tile row tk0: the K loop every ring dot
-    kernel shares. The operand is in ring order: the activations are loaded contiguously (coalesced: through
-    ring_rows' index the compiler saw no contiguity and Triton 3.6 laid a warp's load across 16 rows, 4 of 32 bytes
-    used per sector) and put in ring order in registers (ring_order_rows). FRAG (G = 1, BNT = 8): fragment_operand,
-    whose rows are natural, so u is used as loaded."""
-    tile_off, s = ring_tiles(tn0, tiles_n, KT, BNT, W32, G, FLAT or FRAG)
-    row_base = w_base + tk0.to(tl.int64) * tiles_n * W32
-    u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk0 * 16 + tl.arange(0, 16 * KT)[None, :]
-    acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
-    for _ in range(steps):
-        if FRAG:
-            w = fragment_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK)
-            u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
-        else:
-            w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, FLAT)
-            u = ring_order_rows(tl.load(u_ptrs, mask=mask_m[:, None], other=0.0), BM, KT)
-        acc = tl.dot(u, w, acc)
-        row_base += KT * tiles_n * W32
-        u_ptrs += 16 * KT
-    return acc
 
 
 @triton.jit

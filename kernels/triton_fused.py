@@ -4,9 +4,9 @@ of its own rows (units) and K range first, so a projection (a grouped layer, an 
 
 Per program (16·BNT = 128 output columns = one Hadamard block, one K split of steps_per_split steps of
 16·KT rows, split as triton_gemv.choose_splits splits the three-launch path): the ring-order decode matmul
-of triton_gemv.exl3_ring_dot_kernel (triton_decode.ring_dot) on u = fp16(H(x⊙suh)) (triton_hadamard.input_transform); then every
-split stores its partial (fp32) and bumps a per-block counter, and the program that finds itself last sums
-the partials in split order (deterministic) and writes y = H128(Σ) ⊙ svh (+ bias) through ring_cols,
+of triton_gemv.exl3_ring_dot_kernel (triton_ring_dot.ring_dot) on u = fp16(H(x⊙suh))
+(triton_hadamard.input_transform); then every split stores its partial (fp32) and bumps a per-block counter, and the
+program that finds itself last sums the partials in split order (deterministic) and writes y = H128(Σ) ⊙ svh (+ bias) through ring_cols,
 EPILOGUE_ROWS rows at a time.
 
 The epilogue needs no reordering: ring_cols permutes the bits of a column index within a 128-block, and
@@ -34,8 +34,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from exl3local.kernels.triton_decode import fragment_cols, ring_cols, ring_dot
+from exl3local.kernels.triton_decode import fragment_cols, ring_cols
 from exl3local.kernels.triton_hadamard import unit_expert
+from exl3local.kernels.triton_ring_dot import ring_dot
 from exl3local.kernels.triton_sync import cta_barrier, global_fence
 
 FUSED_BLOCK_N_TILES = 8  # 128 output columns per program: one Hadamard block, so the epilogue is local
@@ -149,7 +150,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                       SCALE: tl.constexpr, BM: tl.constexpr, KT: tl.constexpr, PARTS: tl.constexpr = 0,
                       PAIRS: tl.constexpr = False, FLAT: tl.constexpr = True, GROUPED: tl.constexpr = False,
                       IN_X: tl.constexpr = False, GLU: tl.constexpr = False, SL: tl.constexpr = SPLIT_LOADS,
-                      FRAG: tl.constexpr = False):
+                      FRAG: tl.constexpr = False, PF: tl.constexpr = False):
     """y = H(u·Ŵ)⊙svh (+ bias) for BM rows of u (MoE: one unit in row 0) × 128 columns, one K split.
     u is (M, k) fp16, contiguous; y keeps the first n_out columns, rows stride_ym apart (a part of a fused
     layer writes its slice of the layer's output in place).
@@ -169,6 +170,9 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
     FLAT: the trellis words loaded through flat indices (triton_decode.ring_tiles), lane-linear whatever the rate.
     FRAG (4 and 8 bits): the decoded operand in the matrix unit's fragment order (triton_decode.fragment_operand), no
     shared-memory round trip of the weights; the columns come out in fragment order (finish_block maps them).
+    FRAG = 4: the rows in the k order of a dot operand of kWidth 4 (what Triton 3.6 gives an fp16 mma v2 operand), else
+    of kWidth 2 (Triton 3.8, 3.9): bound.fragment_order. PF (with FRAG): the K loop loads each step's words one step
+    ahead (triton_ring_dot.ring_dot).
 
     IN_X (dense rows and MoE units, not GROUPED): the program computes u for its own rows and K range from x (k_valid
     features, rows stride_xm apart; suh_ptr the part's suh, with PARTS the parts' stacked suh, with HAS_IDS the
@@ -195,9 +199,9 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                        pid_s * steps_per_split * KT * 16, steps_per_split * KT * 16, pid_m * BM,
                        tl.minimum(M - pid_m * BM, BM), PARTS, tl.load(row + 5), SCALE)
             cta_barrier(cnt_ptr, M)  # this program's u stores are visible to all its threads before the K loop
-        acc = ring_dot(u_ptr, w_ptr + tl.multiple_of(tl.load(row), 16), rm * PARTS + tl.load(row + 5), mask_m, size_k, part_n,
-                       pid_s * steps_per_split * KT, steps_per_split, local_n * BNT, KA, HALF, W32, G, CODEBOOK, BM,
-                       BNT, KT, FLAT, FRAG)
+        acc = ring_dot(u_ptr, w_ptr + tl.multiple_of(tl.load(row), 16), rm * PARTS + tl.load(row + 5), mask_m, size_k,
+                       part_n, pid_s * steps_per_split * KT, steps_per_split, local_n * BNT, KA, HALF, W32, G, CODEBOOK,
+                       BM, BNT, KT, FLAT, FRAG, PF)
         c = tl.arange(0, 128)
         z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]
         tl.store(z_ptr + pid_s * stride_zs + z_offs, acc, mask=mask_m[:, None])
@@ -263,7 +267,7 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
                        steps_per_split * KT * 16, row0, rows, 1, 0, SCALE)
             cta_barrier(cnt_ptr, M)  # as above
     acc = ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, pid_s * steps_per_split * KT, steps,
-                   pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT, FLAT, FRAG)
+                   pid_n * BNT, KA, HALF, W32, G, CODEBOOK, BM, BNT, KT, FLAT, FRAG, PF)
     # Every split stores its partial; the last one to arrive (or the only one) finishes the block.
     c = tl.arange(0, 128)
     z_offs = rm.to(tl.int64)[:, None] * size_n + (pid_n * 128 + c)[None, :]

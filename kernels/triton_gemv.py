@@ -28,10 +28,11 @@ import triton
 import triton.language as tl
 
 from exl3local.kernels.triton_decode import (
-    decode_state, lanes_per_superlane, rate_constants, ring_cols, ring_dot, ring_state, words,
+    decode_state, lanes_per_superlane, rate_constants, ring_cols, ring_state, words,
 )
 from exl3local.kernels.triton_fused import finish_block
 from exl3local.kernels.triton_hadamard import input_transform, output_transform
+from exl3local.kernels.triton_ring_dot import ring_dot
 from exl3local.kernels.triton_sync import cta_barrier, global_fence
 
 # Programs per compute unit that split-K aims for: 4.5 picks the best measured split on all four 27B decode

@@ -144,7 +144,10 @@ def main() -> None:
                       dict(GROUPED=True, PAIRS=True),  # MoE over expert-sorted tiles: gate/up pairs
                       dict(BM=triton_gemv.TILE_ROWS, PARTS=3),  # the tiled path (more than 16 rows), grouped
                       dict(SL=triton_fused.MANY_SPLIT_LOADS),  # launches of many splits: more partials per step
-                      dict(FRAG=BACKEND[0] == "xpu")],  # the operand order this target does not serve
+                      # the fragment orders this target does not serve (XPU: ring order; else the other kWidth's),
+                      # with and without the words loaded one K step ahead
+                      *([dict(FRAG=2), dict(FRAG=4, PF=1)] if BACKEND[0] == "xpu" else
+                        [dict(FRAG=6 - triton_decode.FRAGMENT_KWIDTH), dict(PF=0)])],
         ("3inst", 2): [dict(SPLIT=False)],
         ("mcg", 3): [dict(FLAT=False),  # words as [KT, BNT, 32/G] loads, at a rate whose super-lanes span 3 words
                      dict(GROUPED=True)],  # MoE tiles: down
@@ -157,11 +160,12 @@ def main() -> None:
         tile_kt, tile_warps = triton_gemv.tiled_config(bits)
         for changed in [{}, *others]:
             # the weight operand in fragment order where a lane's weights are a fragment, not on XPU (fragment_order)
-            constants = dict(rate, **served, KT=block_kt, FRAG=rate["G"] == 1 and BACKEND[0] != "xpu")
+            frag = triton_decode.FRAGMENT_KWIDTH if rate["G"] == 1 and BACKEND[0] != "xpu" else 0
+            constants = dict(rate, **served, KT=block_kt, FRAG=frag, PF=int(frag > 0))  # bound.FusedLaunch's
             constants.update(changed)
             tiled = constants["BM"] == triton_gemv.TILE_ROWS  # 64-row tiles: their own KT and warps
             if tiled:
-                constants.update(KT=tile_kt, FRAG=False)
+                constants.update(KT=tile_kt, FRAG=0, PF=0)
             # with GROUPED, ids_ptr is the int32 tile table
             args = dict(FUSED_ARGS, ids_ptr="*i32") if constants["GROUPED"] else FUSED_ARGS
             # the partials before the epilogue (split-K: before the counter, and the acquired partials after it), u

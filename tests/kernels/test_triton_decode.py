@@ -104,18 +104,20 @@ def test_ring_kernel_decodes_bit_exactly(make_layer, kernel_device, codebook, bi
 def test_fragment_order_operand_serves_g1_rates_like_the_ring_order(make_layer, emulate, relative_error,
                                                                     kernel_device, codebook, bits):
     """At G = 1 (4 and 8 bits) the fused kernel takes Ŵ in the matrix unit's fragment order (triton_decode.
-    fragment_operand, natural rows, columns through fragment_cols): served, and within fp32 noise of the emulation
-    like the ring order beside it (a weight in a wrong row or a column stored in a wrong place is an error of ~1)."""
+    fragment_operand, columns through fragment_cols; rows for a dot operand of kWidth 2 or 4, the served one by the
+    installed Triton's), with or without the words loaded one K step ahead (PF): served, and within fp32 noise of the
+    emulation like the ring order beside it (a weight in a wrong row or a column stored in a wrong place, or a step
+    decoding another step's words, is an error of ~1)."""
     from exl3local.kernels.bound import FusedLaunch
 
     trellis, suh, svh = make_layer(256, 256, bits, codebook, seed=21)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(21)).to(kernel_device)
     expected = emulate(x, trellis, suh, svh, bits, codebook)
-    for frag in (True, False):
+    for frag, pf in ((2, False), (4, False), (4, True), (0, False)):
         launch = FusedLaunch(trellis, suh, svh, bits, codebook)
-        assert launch.fused_fixed["FRAG"]
-        launch.fused_fixed["FRAG"] = frag
+        assert launch.fused_fixed["FRAG"] in (2, 4) and launch.fused_fixed["PF"]
+        launch.fused_fixed.update(FRAG=frag, PF=pf)
         launch.splits[1] = (2, launch.k_steps // 2)
         y = torch.empty(3, 256, device=kernel_device)
         launch.launch(x, y, 3)
-        assert relative_error(y, expected) < 2e-5, frag
+        assert relative_error(y, expected) < 2e-5, (frag, pf)
