@@ -12,11 +12,12 @@ from exl3local.kernels.triton_fused import exl3_fused_kernel
 from exl3local.kernels.triton_gemv import FMA_ONE_ROW_BITS
 from exl3local.kernels.triton_hadamard import rows_per_program
 
-# Fused layers wider than this many 128-column blocks keep a launch pair per part: on the H200 one grid lost at
-# 272 blocks (27B gate_up, 2 x 17408: 169 vs 132 µs at M = 1) and won at 128 and below (27B in_proj_qkvz 65 vs
-# 72 µs, q/k/v 57 vs 84; docs/PERF.md "Model step"); between them is unmeasured. Re-checked with the register cap
-# below (h200-s8d-groups-512.log): 27B gate_up as one grid 125 vs 119 µs per part at M = 1, 131.5 vs 134.6 at 16.
-GROUP_MAX_BLOCKS = 256
+# Fused layers wider than this many 128-column blocks keep a launch pair per part. H200: one grid lost at 272 blocks
+# (27B gate_up, 2 x 17408) in sessions 5 and 8 (h200-s8d-groups-512.log: 125 vs 119 µs per part at M = 1) and won at
+# 128 and below; since the fragment order, the wave register cap and the words one step ahead it wins there too: 27B
+# gate_up 6797 vs 7401 µs per step at M = 1 (-8 %), whole step 15.90 vs 16.48 ms graph at M = 1, 16.03 vs 16.65 at
+# M = 4 (h200-s17d, docs/PERF.md "Session 17"). Above 272 blocks unmeasured.
+GROUP_MAX_BLOCKS = 512
 # Register cap of a GroupLaunch's decode matmul on CUDA (ptxas maxnreg) at 4 bits: its PARTS mode took 72 registers
 # (43.75 % theoretical occupancy, h200-s7-ncu-qkvz-m1-flat.log); capped at 64 (no spills, 50 %), 27B in_proj_qkvz
 # ran 79 -> 53 µs in ncu and 74 -> 52 µs graph at M = 1, q/k/v 48 -> 46 µs (docs/dev/perf/h200-s8*-layers-config.log,
