@@ -25,6 +25,9 @@
 #     as three pytest processes side by side until +TEST_END s (their logs tests_*.log) and, beside them, bench/prefill_forms.py's and
 #     prefill_pieces.py's 27B steps at 512 rows (do they run: their times then mean nothing) and bench/sass_loop.py (the
 #     decode loop as the device's Triton compiles it).
+#   PLAN=kwidth (session 17): bench/sass_loop.py (the device's Triton), bench/one_launch.py --variants VARIANTS (default:
+#     the fragment order for kWidth 2, and the served order with the words one K step ahead) at VROWS (1,4), then
+#     bench/model_step.py at ROWS (1,4,16).
 #   PLAN=moe: the GPU tests; 35B steps with the MoE over expert-sorted tiles vs one unit per program (--units) vs
 #     exllamav3 at ROWS (default 64,512,16,4096,4); then the 27B decode configs (bench/layers.py config, M = 1, 4).
 set -u
@@ -93,6 +96,15 @@ elif [ "$PLAN" = final ]; then
   (cd /tmp && python3 -P "$REPO/bench/sass_loop.py" > "$OUT/sass_loop.log" 2>&1) &
   wait
   tail -n 3 "$OUT"/tests_*.log
+elif [ "$PLAN" = kwidth ]; then
+  (cd /tmp && python3 -P "$REPO/bench/sass_loop.py" --maxnreg 0,56 > "$OUT/sass_loop.log" 2>&1)
+  echo "sass done at +$(( $(date +%s) - start )) s"
+  run one_launch.py --variants ${VARIANTS:-8:0:0:0:2,8:0:0:0:1:0:0:1} --models ${MODELS:-27b,35b-a3b} \
+    --rows ${VROWS:-1,4} --tag one_launch_kwidth --deadline $(( start + ${VARIANT_SECONDS:-220} )) 2>&1 \
+    | grep -v '^{' > "$OUT/one_launch_kwidth.log"
+  echo "variants done at +$(( $(date +%s) - start )) s"
+  run model_step.py --rows ${ROWS:-1,4,16} --tag model_step --deadline $(( start + ${STEP_SECONDS:-330} )) 2>&1 \
+    | grep -v '^{' > "$OUT/model_step.log"
 elif [ "$PLAN" = moe ]; then
   tests ${TESTS:-"$REPO"/tests/kernels/test_triton_moe.py "$REPO"/tests/kernels/test_bound.py \
     "$REPO"/tests/kernels/test_triton_gpu.py}

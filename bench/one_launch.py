@@ -4,14 +4,15 @@ launches, host µs per step), plus how far the one-launch outputs are from the t
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
 bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
 in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
---variants S:L[:E[:D[:F[:R[:P]]]]],..: instead of two/units_two/one_all, the served code with
+--variants S:L[:E[:D[:F[:R[:P[:X]]]]]],..: instead of two/units_two/one_all, the served code with
 triton_gemv.MIN_STEPS_PER_SPLIT = S (each split-K split keeps at least S K steps), SL = L on every launch (split
 partials loaded per step of the finishing sum; 0: triton_fused.split_loads by each launch's split count, as served),
 the MoE projections' splits times 2**E (the linears' 2**D), F = 0 the decode matmul's weight operand in ring order
 where the fragment order serves (1: as served, kernels/bound.fragment_order), R > 0 a register cap (CUDA maxnreg) on
 every decode matmul launch (0: as built; -1: as built without the cap by grid size, bound.WAVE_MAX_REGISTERS) and
 P > 0 software-pipeline stages (Triton's cp.async of the next steps' trellis words into shared memory; 0: as built,
-one), then the served values re-timed (again); and per projection group (every layer's calls of one name:
+one), X = 1 / -1 the words loaded one K step ahead in registers or not (triton_ring_dot.ring_dot PF, fragment order
+only; 0: as built), then the served values re-timed (again); and per projection group (every layer's calls of one name:
 in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each chose.
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
@@ -37,7 +38,7 @@ from model_build import build, layer_ops  # noqa: E402
 from model_step import patched_step, runner, step_fns  # noqa: E402
 from step_timing import graph_us, log, measure  # noqa: E402
 
-from exl3local.kernels import bound, triton_gemv  # noqa: E402
+from exl3local.kernels import bound, bound_group, triton_gemv  # noqa: E402
 from exl3local.kernels.launcher import DirectLaunch  # noqa: E402
 from exl3local.kernels.triton_fused import exl3_fused_kernel  # noqa: E402
 
@@ -94,8 +95,8 @@ def difference(layers, rows: int) -> dict:
 
 
 SHIFTS = [0, 0]  # the MoE and the dense launches' split scales (powers of two) configure() set last
-KNOBS = [1, 0, 0]  # operand order (1: as served), register cap and pipeline stages (0: as built) configure() set last
-BUILT: dict[int, tuple] = {}  # id(launch) -> its decode matmul launches and FRAG as built
+KNOBS = [1, 0, 0, 0]  # operand order (1: as served), register cap, pipeline stages, prefetch (0: as built), set last
+BUILT: dict[int, tuple] = {}  # id(launch) -> its decode matmul launches, FRAG, wave cap and PF as built
 
 
 def op_launches(kind: str, obj) -> list:
@@ -110,14 +111,18 @@ def launches_of(layers):
             yield from op_launches(kind, obj)
 
 
-def operand(launch, frag: int, cap: int, stages: int = 0) -> None:
-    """launch's decode matmul with its weight operand in ring order if frag is 0 (as built if 1), under a register
+def operand(launch, frag: int, cap: int, stages: int = 0, pf: int = 0) -> None:
+    """launch's decode matmul with its weight operand in ring order if frag is 0 (as built if 1; 2 / 4: the fragment
+    order for that dot operand width where built in fragment order, triton_decode.FRAGMENT_KWIDTH), with the words
+    loaded one K step ahead (triton_ring_dot.ring_dot's PF, fragment order only) as built if pf is 0, on if 1, off if
+    -1, under a register
     cap of `cap` (CUDA maxnreg) on every grid if cap > 0, as built if 0, as built but with no cap by grid size
     (bound.WAVE_MAX_REGISTERS) if -1; compiled with `stages` software-pipeline stages if > 0 (Triton's cp.async of
     the next steps' loads into shared memory; as built, 1, if 0)."""
-    fused, one, frag_built, wave_cap = BUILT.setdefault(id(launch), (launch.fused, launch.one,
-                                                                     launch.fused_fixed["FRAG"], launch.wave_cap))
-    launch.fused_fixed["FRAG"] = frag_built and bool(frag)
+    fused, one, frag_built, wave_cap, pf_built = BUILT.setdefault(id(launch), (
+        launch.fused, launch.one, launch.fused_fixed["FRAG"], launch.wave_cap, launch.fused_fixed["PF"]))
+    launch.fused_fixed["FRAG"] = (frag if frag > 1 else frag_built) if frag_built and frag else 0
+    launch.fused_fixed["PF"] = launch.fused_fixed["FRAG"] > 0 and (pf > 0 if pf else pf_built)
     launch.fused, launch.one = fused, one
     launch.wave_cap = wave_cap if cap == 0 else None
     changed = dict({"maxnreg": cap} if cap > 0 else {}, **({"num_stages": stages} if stages else {}))
@@ -128,7 +133,7 @@ def operand(launch, frag: int, cap: int, stages: int = 0) -> None:
 
 
 def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: int = 0, frag: int = 1,
-              cap: int = 0, stages: int = 0) -> tuple[int, ...]:
+              cap: int = 0, stages: int = 0, pf: int = 0) -> tuple[int, ...]:
     """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum; 0: by
     split count), scale the MoE projections' splits by 2**moe_shift and the linears' by 2**dense_shift (as far as
     the K steps divide), set the operand order, register cap and stages (operand()), and forget every launch's splits
@@ -142,13 +147,13 @@ def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: i
             for launch in op_launches(kind, obj):
                 launch.loads = loads or None
                 launch.splits.clear()
-                operand(launch, frag, cap, stages)
+                operand(launch, frag, cap, stages, pf)
                 launch.replan()
                 launch.__dict__.pop("split_for", None)
                 if shift:
                     launch.split_for = shifted_splits(launch, shift)
     SHIFTS[:] = moe_shift, dense_shift
-    KNOBS[:] = frag, cap, stages
+    KNOBS[:] = frag, cap, stages, pf
     return old
 
 
@@ -183,9 +188,9 @@ def variants_ab(cfg, layers, rows: int, variants: list[tuple[int, ...]], exl3_ok
     """Whole steps and per-group graph µs at each (split floor, split loads[, MoE split shift[, dense split shift[,
     operand order[, register cap[, stages]]]]]) variant, the served one first and again last; exllamav3 per group."""
     ours, theirs, _ = step_fns(cfg, layers, rows)
-    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0, 0, 1, 0, 0
+    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0, 0, 1, 0, 0, 0
     row, groups, chosen = {}, {}, {}
-    names = ("m{}", "_l{}", "_e{:+d}", "_d{:+d}", "_f{}", "_r{:d}", "_s{}")
+    names = ("m{}", "_l{}", "_e{:+d}", "_d{:+d}", "_f{}", "_r{:d}", "_s{}", "_p{}")
     tags = [(f"served_m{served[0]}_l{served[1]}", served)] + [
         ("".join(name.format(value) for name, value in zip(names, v)), (*v, *served[len(v):])) for v in variants]
     for tag, knobs in tags + [("again", served)]:
@@ -235,12 +240,17 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tag", default="one_launch")
     parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
-    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT[:DENSE[:FRAG[:CAP[:STAGES]]]]],...: "
-                        "split floors, split loads, MoE splits x 2**SHIFT, linears' splits x 2**DENSE, operand order "
-                        "(0: ring), register cap, pipeline stages, A/B against the served ones "
-                        "(8:4,8:0:0:1,8:0:0:0:0,8:0:0:0:1:0:2)")
+    parser.add_argument("--group-max-blocks", type=int, default=0, help="bound_group.GROUP_MAX_BLOCKS for the build "
+                        "(0: as served; 512: 27B gate_up as one grid)")
+    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT[:DENSE[:FRAG[:CAP[:STAGES[:PF]]]]]],..:"
+                        " split floors, split loads, MoE splits x 2**SHIFT, linears' splits x 2**DENSE, operand order "
+                        "(0: ring, 1: served, 2/4: fragment order of that kWidth), register cap, pipeline stages, words "
+                        "one step ahead (1 on, -1 off), A/B against the served ones "
+                        "(8:4,8:0:0:0:0,8:0:0:0:1:0:2,8:0:0:0:1:0:0:-1)")
     args = parser.parse_args()
     exl3 = None if args.no_exl3 else Exl3Side()
+    if args.group_max_blocks:
+        bound_group.GROUP_MAX_BLOCKS = args.group_max_blocks
     results = []
     try:
         built = {name: build(name, 4, "mul1", exl3) for name in args.models.split(",")}

@@ -28,7 +28,10 @@ from exl3local.kernels import triton_decode, triton_fused, triton_gemv  # noqa: 
 from exl3local.kernels.hadamard import HADAMARD_SCALE  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-VARIANTS = {"served": {}, "ring": dict(FRAG=False), "parts3": dict(PARTS=3), "parts3_ring": dict(PARTS=3, FRAG=False)}
+VARIANTS = {"served": {}, "frag_k2": dict(FRAG=2, PF=False), "frag_k4": dict(FRAG=4, PF=False),
+            "pf_k2": dict(FRAG=2, PF=True), "pf_k4": dict(FRAG=4, PF=True),
+            "ring": dict(FRAG=0, PF=False),
+            "parts3": dict(PARTS=3), "parts3_ring": dict(PARTS=3, FRAG=0, PF=False)}
 
 
 def compile_fused(bits: float, codebook: str, changed: dict, options: dict):
@@ -36,7 +39,7 @@ def compile_fused(bits: float, codebook: str, changed: dict, options: dict):
     _, kt, warps = triton_gemv.ring_dot_config(bits)
     constants = dict(rate, HAS_IDS=False, HAS_BIAS=False, SPLIT=True, SCALE=HADAMARD_SCALE, BM=16, PARTS=0, PAIRS=False,
                      FLAT=True, GROUPED=False, IN_X=False, GLU=False, SL=triton_fused.SPLIT_LOADS, KT=kt,
-                     FRAG=rate["G"] == 1)
+                     FRAG=triton_decode.FRAGMENT_KWIDTH if rate["G"] == 1 else 0, PF=rate["G"] == 1)
     constants.update(changed)
     signature = dict(FUSED_ARGS, **{name: "constexpr" for name in constants})
     return triton.compile(ASTSource(triton_fused.exl3_fused_kernel, signature, constants), target=TARGETS["cuda"],
@@ -78,7 +81,7 @@ def main() -> int:
             regs, count, ops = loop_mix(compile_fused(bits, args.codebook, changed, {"maxnreg": cap} if cap else {})
                                         .asm["cubin"])
             print(f"{name:12s} cap {cap or '-':>3}: {regs:3d} registers, {count:4d} loop instructions  "
-                  + " ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+                  + " ".join(f"{op} {n}" for op, n in ops.most_common(30)))
     return 0
 
 
