@@ -4,11 +4,11 @@ and against each other. Offline vLLM, engine in-process, one process per mode.
 
     python -P bench/cpu_int8_kl.py MODEL_DIR ORACLE_FILE      # e.g. an untarred tiny-llama fixture + its oracle
 
-The int8 path serves up to GEMV_MAX_ROWS rows per call, and a prompt's logits come from its prefill: the engine
-runs with max_num_batched_tokens = GEMV_MAX_ROWS (chunked prefill), so every position of the prompt goes through
-the path under test rather than the exact GEMM path. The gates are the endpoint tests' (tests/support/oracle.py):
-mean KL(oracle || ours) <= MEAN_KL_GATE, and top-1 agreement wherever the oracle's margin is gated. Run it under the
-heavy-test lock.
+The int8 path serves one row per call (ops.INT8_MAX_ROWS; more rows run the exact GEMV), and a prompt's logits come
+from its prefill: the engine runs with max_num_batched_tokens = INT8_MAX_ROWS (chunked prefill), so every position of
+the prompt goes through the path under test rather than an exact one. The gates are the endpoint tests'
+(tests/support/oracle.py): mean KL(oracle || ours) <= MEAN_KL_GATE, and top-1 agreement wherever the oracle's margin
+is gated. Run it under the heavy-test lock.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def child(model: str, oracle_file: str, out: str) -> None:
     oracle = load_file(oracle_file)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     llm = LLM(model, max_model_len=256, enforce_eager=True, kv_cache_memory_bytes=16 << 20, skip_tokenizer_init=True,
-              enable_prefix_caching=False, max_num_batched_tokens=ops.GEMV_MAX_ROWS, max_num_seqs=ops.GEMV_MAX_ROWS,
+              enable_prefix_caching=False, max_num_batched_tokens=ops.INT8_MAX_ROWS, max_num_seqs=ops.INT8_MAX_ROWS,
               max_logprobs=vocab, disable_log_stats=True, seed=0)
     seqs = sorted({k.split(".", 1)[0] for k in oracle}, key=lambda s: int(s.removeprefix("seq")))
     logprobs = {}

@@ -9,7 +9,7 @@ Per tier, thread count, shape and row count m (mul1 K4, bf16 rows as the engine 
   makes up to gemv_max_rows);
 - gemm: CpuLinear._gemm, the path past the crossover (on an AMX CPU's avx512 tier the AMX u split up to 32 rows and
   the W' planes past it; elsewhere decode-strip + fp32 BLAS);
-- int8 (--int8, avx512 tier): the opt-in's GEMV at m rows;
+- int8 (--int8, avx512 tier): the opt-in's GEMV, at one row (it serves no more since session 17: ops.INT8_MAX_ROWS);
 - torch_bf16: F.linear on a bf16 weight (oneDNN; not vLLM's prepacked linear), once per thread count and shape.
 Median of --reps calls, best of two rounds alternating the paths; ms of wall. Weights are not cycled: from 2 rows on
 the GEMV is compute-bound (the trellis is read once per call for all rows).
@@ -60,7 +60,7 @@ def one_shape(tier: str, threads: int, k: int, n: int, rows: list[int], args, bf
             return y.bfloat16()
 
         runs = {"gemv": gemv, "gemm": lambda: lin._gemm(x, torch.bfloat16, None, threads)}
-        if int8:
+        if int8 and m <= ops.INT8_MAX_ROWS:
             runs["int8"] = lambda: gemv(1)
         key = (threads, k, n, m)
         if key not in bf16:

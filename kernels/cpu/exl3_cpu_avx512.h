@@ -199,69 +199,45 @@ void gemv_chunk(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r,
         finish_block(acc + (size_t)mi * CHUNK_TILES * POSITIONS, svh + c * 128, y + (size_t)mi * y_stride + c * 128);
 }
 
-// gemv_chunk for int8 activations (mul1 only): per 16 weights the state hash and one vpdpbusd, which multiplies the
-// hash's 4 bytes by the row's int8 activation and adds them, i.e. bytesum * q, into int32 lanes. The codebook's scale
-// and offset (and Ŵ's fp16 rounding, skipped here) leave the loop: per column, row scale * (MUL1_SCALE * sum of
-// bytesum * q + MUL1_OFFSET * sum of q), from quantize_rows' qab. acc: m * CHUNK_TILES * POSITIONS int32 (64-byte
-// aligned), qe: m * 16 vectors.
-void gemv_chunk_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const Groups& g, const int32_t* q4,
-                   const float* qab, int m, int c, int32_t* acc, __m512i* qe, const float* svh, float* y,
-                   size_t y_stride) {
-    const int k = tiles_k * 16, words16 = 2 * r.words32;
+// gemv_chunk for int8 activations (mul1 only, one row: ops.INT8_MAX_ROWS; more rows run the exact loop, which was
+// faster from 2 rows): per 16 weights the state hash and one vpdpbusd, which multiplies the hash's 4 bytes by the
+// row's int8 activation and adds them, i.e. bytesum * q, into int32 lanes. The codebook's scale and offset (and Ŵ's
+// fp16 rounding, skipped here) leave the loop: per column, scale * (MUL1_SCALE * sum of bytesum * q + MUL1_OFFSET *
+// sum of q), from quantize_rows' qab. acc: CHUNK_TILES * POSITIONS int32 (64-byte aligned).
+void gemv1_q8(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, const Groups& g, const int32_t* q4,
+              const float* qab, int c, int32_t* acc, const float* svh, float* y) {
+    const int words16 = 2 * r.words32;
     const size_t row_words = (size_t)tiles_n * words16;
-    std::memset(acc, 0, sizeof(int32_t) * m * CHUNK_TILES * POSITIONS);
+    std::memset(acc, 0, sizeof(int32_t) * CHUNK_TILES * POSITIONS);
     const int16_t* col0 = trellis + (size_t)c * CHUNK_TILES * words16;
     const int chunk_bytes = CHUNK_TILES * words16 * 2;
     const __m512i hash = _mm512_set1_epi32((int)MUL1_HASH);
-    if (m == 1) {  // decode: two tile rows per accumulator load/store, as gemv_chunk (integer sums: the same result)
-        for (int tk = 0; tk < tiles_k; tk += 2) {
-            prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 6 < tiles_k ? tk + 6 : tiles_k);
-            const __m512i q0 = _mm512_loadu_si512(q4 + 16 * tk), q1 = _mm512_loadu_si512(q4 + 16 * tk + 16);
-            const int16_t* row0 = col0 + (size_t)tk * row_words;
-            const int16_t* row1 = row0 + row_words;
-            for (int gi = 0; gi < 16; ++gi) {
-                const GroupView view(g, gi);
-                const __m512i qg0 = _mm512_permutexvar_epi32(g.urow[gi], q0), qg1 = _mm512_permutexvar_epi32(g.urow[gi], q1);
-#pragma GCC unroll 8
-                for (int ct = 0; ct < CHUNK_TILES; ++ct) {
-                    int32_t* a = acc + ct * POSITIONS + 16 * gi;
-                    const __m512i x0 = _mm512_mullo_epi32(view.states((const uint32_t*)(row0 + (size_t)ct * words16),
-                                                                      r.words32), hash);
-                    const __m512i x1 = _mm512_mullo_epi32(view.states((const uint32_t*)(row1 + (size_t)ct * words16),
-                                                                      r.words32), hash);
-                    _mm512_store_si512(a, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_load_si512(a), x0, qg0), x1, qg1));
-                }
-            }
-        }
-    }
-    for (int tk = 0; tk < tiles_k && m > 1; ++tk) {
-        if (tk + 4 < tiles_k) prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 5);
-        for (int mi = 0; mi < m; ++mi) {
-            const __m512i qt = _mm512_loadu_si512(q4 + (size_t)mi * k + 16 * tk);
-            for (int gi = 0; gi < 16; ++gi) qe[mi * 16 + gi] = _mm512_permutexvar_epi32(g.urow[gi], qt);
-        }
-        const int16_t* row = col0 + (size_t)tk * row_words;
+    // two tile rows per accumulator load/store, as gemv_chunk (integer sums: the same result)
+    for (int tk = 0; tk < tiles_k; tk += 2) {
+        prefetch_rows(col0, row_words, chunk_bytes, tk + 4, tk + 6 < tiles_k ? tk + 6 : tiles_k);
+        const __m512i q0 = _mm512_loadu_si512(q4 + 16 * tk), q1 = _mm512_loadu_si512(q4 + 16 * tk + 16);
+        const int16_t* row0 = col0 + (size_t)tk * row_words;
+        const int16_t* row1 = row0 + row_words;
         for (int gi = 0; gi < 16; ++gi) {
             const GroupView view(g, gi);
+            const __m512i qg0 = _mm512_permutexvar_epi32(g.urow[gi], q0), qg1 = _mm512_permutexvar_epi32(g.urow[gi], q1);
+#pragma GCC unroll 8
             for (int ct = 0; ct < CHUNK_TILES; ++ct) {
-                const __m512i x = _mm512_mullo_epi32(view.states((const uint32_t*)(row + (size_t)ct * words16),
-                                                                 r.words32), hash);
-                for (int mi = 0; mi < m; ++mi) {
-                    int32_t* am = acc + ((size_t)mi * CHUNK_TILES + ct) * POSITIONS + 16 * gi;
-                    _mm512_store_si512(am, _mm512_dpbusd_epi32(_mm512_load_si512(am), x, qe[mi * 16 + gi]));
-                }
+                int32_t* a = acc + ct * POSITIONS + 16 * gi;
+                const __m512i x0 = _mm512_mullo_epi32(view.states((const uint32_t*)(row0 + (size_t)ct * words16),
+                                                                  r.words32), hash);
+                const __m512i x1 = _mm512_mullo_epi32(view.states((const uint32_t*)(row1 + (size_t)ct * words16),
+                                                                  r.words32), hash);
+                _mm512_store_si512(a, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_load_si512(a), x0, qg0), x1, qg1));
             }
         }
     }
-    for (int mi = 0; mi < m; ++mi) {
-        // Integer sums to fp32 position sums in place, then the exact path's reduction and output transform.
-        int32_t* am = acc + (size_t)mi * CHUNK_TILES * POSITIONS;
-        float* af = (float*)am;
-        const __m512 qa = _mm512_set1_ps(qab[2 * mi]), qb = _mm512_set1_ps(qab[2 * mi + 1]);
-        for (int i = 0; i < CHUNK_TILES * POSITIONS; i += 16)
-            _mm512_store_ps(af + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(am + i)), qa, qb));
-        finish_block(af, svh + c * 128, y + (size_t)mi * y_stride + c * 128);
-    }
+    // Integer sums to fp32 position sums in place, then the exact path's reduction and output transform.
+    float* af = (float*)acc;
+    const __m512 qa = _mm512_set1_ps(qab[0]), qb = _mm512_set1_ps(qab[1]);
+    for (int i = 0; i < CHUNK_TILES * POSITIONS; i += 16)
+        _mm512_store_ps(af + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + i)), qa, qb));
+    finish_block(af, svh + c * 128, y + c * 128);
 }
 
 // A worker's buffers for work items of up to `rows` rows: acc (rows * CHUNK_TILES * POSITIONS floats, or int32 in
@@ -285,9 +261,10 @@ inline void run_chunk(int codebook, const Rate& r, const float*, const int16_t* 
                       const float* u, const float* qab, int m, int c, const float* svh, float* y, size_t y_stride,
                       Scratch& s) {
     const Groups& g = groups_for(r);
-    if (qab)  // acc and ue hold as many int32 lanes as fp32 ones
-        gemv_chunk_q8(trellis, tiles_k, tiles_n, r, g, (const int32_t*)u, qab, m, c, (int32_t*)s.acc, (__m512i*)s.ue,
-                      svh, y, y_stride);
+    if (qab) {  // acc holds as many int32 lanes as fp32 ones
+        if (m != 1) __builtin_trap();  // int8 serves one row (ops.INT8_MAX_ROWS): a call with more is a bug
+        gemv1_q8(trellis, tiles_k, tiles_n, r, g, (const int32_t*)u, qab, c, (int32_t*)s.acc, svh, y);
+    }
     else if (codebook == CB_MUL1)
         gemv_chunk<CB_MUL1>(trellis, tiles_k, tiles_n, r, g, u, m, c, s.acc, s.ue, svh, y, y_stride);
     else if (codebook == CB_MCG)
