@@ -273,23 +273,76 @@ inline void run_chunk(int codebook, const Rate& r, const float*, const int16_t* 
         gemv_chunk<CB_3INST>(trellis, tiles_k, tiles_n, r, g, u, m, c, s.acc, s.ue, svh, y, y_stride);
 }
 
+// Group gi's lane l is position p = 16 gi + l, at row (l1, g0, l3, l0) and column (l2, g3, g2, g1) of its tile (bits of
+// gi and l, high to low; row_of / col_of). So 16 group vectors become the tile's 16 rows by swapping three register
+// bits with three lane bits (g1<->l0, g2<->l1, g3<->l3), one vpermt2ps per output vector and stage (48 per tile,
+// instead of 16 gathers of 16 lanes from a stored tile), the columns' order folded into the last stage's indices.
+struct RowShuffle {
+    __m512i lo[3], hi[3];  // per stage: the indices of a pair's output with the register bit 0, and with it 1
+    int row[16];           // the tile row that register i holds after the last stage
+};
+
+inline RowShuffle make_row_shuffle() {
+    RowShuffle t;
+    int cur[16][16];  // position held by (register, lane)
+    for (int i = 0; i < 16; ++i)
+        for (int l = 0; l < 16; ++l) cur[i][l] = 16 * i + l;
+    const int rbit[3] = {1, 2, 3}, lbit[3] = {0, 1, 3};
+    alignas(64) int lo[3][16], hi[3][16];
+    for (int st = 0; st < 3; ++st) {
+        const int rb = 1 << rbit[st], lb = 1 << lbit[st];
+        for (int l = 0; l < 16; ++l) {  // the same indices for every register pair: x (bit 0), y = x | rb
+            lo[st][l] = l & lb ? 16 + (l ^ lb) : l;
+            hi[st][l] = l & lb ? 16 + l : l | lb;
+        }
+        int next[16][16];
+        for (int x = 0; x < 16; ++x) {
+            if (x & rb) continue;
+            for (int l = 0; l < 16; ++l) {
+                next[x][l] = lo[st][l] < 16 ? cur[x][lo[st][l]] : cur[x | rb][lo[st][l] - 16];
+                next[x | rb][l] = hi[st][l] < 16 ? cur[x][hi[st][l]] : cur[x | rb][hi[st][l] - 16];
+            }
+        }
+        std::memcpy(cur, next, sizeof(cur));
+    }
+    // Each register now holds one row, its lanes a fixed permutation of the columns: order them in the last stage.
+    int lane_of_col[16];
+    for (int l = 0; l < 16; ++l) lane_of_col[col_of(cur[0][l])] = l;
+    alignas(64) int lo2[16], hi2[16];
+    for (int c = 0; c < 16; ++c) lo2[c] = lo[2][lane_of_col[c]], hi2[c] = hi[2][lane_of_col[c]];
+    std::memcpy(lo[2], lo2, sizeof(lo2));
+    std::memcpy(hi[2], hi2, sizeof(hi2));
+    for (int i = 0; i < 16; ++i) t.row[i] = row_of(cur[i][0]);
+    for (int st = 0; st < 3; ++st) {
+        t.lo[st] = _mm512_load_si512(lo[st]);
+        t.hi[st] = _mm512_load_si512(hi[st]);
+    }
+    return t;
+}
+
 template <int CB>
 void decode_impl(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, int tn0, int tn1, float* out,
                  int threads) {
     const Groups& g = groups_for(r);
-    alignas(64) int rowpos[16][16];  // position of (row, col) inside a tile
-    for (int p = 0; p < POSITIONS; ++p) rowpos[row_of(p)][col_of(p)] = p;
+    static const RowShuffle sh = make_row_shuffle();
     const int words16 = 2 * r.words32, width = (tn1 - tn0) * 16;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int tk = 0; tk < tiles_k; ++tk)
         for (int tn = tn0; tn < tn1; ++tn) {
             const uint32_t* U = (const uint32_t*)(trellis + ((size_t)tk * tiles_n + tn) * words16);
-            alignas(64) float tile[POSITIONS];
-            for (int gi = 0; gi < 16; ++gi) _mm512_store_ps(tile + 16 * gi, decode_group<CB>(U, r.words32, g, gi));
+            __m512 v[16];
+            for (int gi = 0; gi < 16; ++gi) v[gi] = decode_group<CB>(U, r.words32, g, gi);
+            for (int st = 0; st < 3; ++st) {
+                const int rb = 2 << st;  // register bits 1, 2, 3
+                for (int x = 0; x < 16; ++x) {
+                    if (x & rb) continue;
+                    const __m512 a = v[x], b = v[x | rb];
+                    v[x] = _mm512_permutex2var_ps(a, sh.lo[st], b);
+                    v[x | rb] = _mm512_permutex2var_ps(a, sh.hi[st], b);
+                }
+            }
             float* o = out + (size_t)tk * 16 * width + (tn - tn0) * 16;
-            for (int rr = 0; rr < 16; ++rr)
-                _mm512_storeu_ps(o + (size_t)rr * width,
-                                 _mm512_i32gather_ps(_mm512_load_si512(rowpos[rr]), tile, 4));
+            for (int i = 0; i < 16; ++i) _mm512_storeu_ps(o + (size_t)sh.row[i] * width, v[i]);
         }
 }
 
