@@ -102,8 +102,8 @@ def _check_apply(kernel, row_counts: tuple[int, ...], dtype: torch.dtype):
 
 
 # Past the one-row crossover, the CPU library's AMX GEMM has two exact forms: the u split up to 32 rows
-# (kernels/cpu/ops.AMX_U_MAX_ROWS), the W' planes above. Its check runs at the first row count past the crossover
-# and at MANY_ROWS, so the form that serves every longer prefill chunk is checked too.
+# (kernels/cpu/ops.AMX_U_MAX_ROWS), the W' planes above. The last path's check runs at MANY_ROWS too, so the form
+# that serves every longer prefill chunk is checked.
 MANY_ROWS = 64
 
 
@@ -111,7 +111,7 @@ def checks_for(kernel: type, device: torch.device, bits: float = 4, codebook: st
                dtype: torch.dtype = torch.float16) -> dict[str, Callable]:
     """name -> check(bits, codebook, device, shape) for a kernel class (dispatch.Exl3Kernel), in run order:
     the reference checks itself on the device; Triton gets its per-launch checks; any other kernel (the CPU
-    library) is checked through `apply` on both sides of its row crossover (past it, at MANY_ROWS too)."""
+    library) is checked through `apply` on every path that 1 to MANY_ROWS rows take, each under that path's name."""
     if kernel.backend == "reference":
         return {"reference": _check_reference}
     if kernel.backend == "triton":
@@ -122,16 +122,14 @@ def checks_for(kernel: type, device: torch.device, bits: float = 4, codebook: st
     from exl3local.kernels.dispatch import DeviceInfo, KernelSpec
 
     instance = kernel(KernelSpec(*SIZES[kind(device)][0], bits, codebook, dtype), DeviceInfo.of(device))
-    few = instance.path_for(1)
-    counts = (1, 3, 4, 8, 16, 32, MANY_ROWS)
-    served_few = [rows for rows in counts if instance.path_for(rows) == few]
-    # the few-row path's one-row loop and its multi-row loop (a pass per group of rows held in registers) are separate
-    # code: 1 row, 3 rows and the most rows it serves among these counts
-    checks = {str(few): _check_apply(kernel, tuple(dict.fromkeys((1, *served_few[1:2], served_few[-1]))), dtype)}
-    past = next((rows for rows in counts if instance.path_for(rows) != few), None)
-    if past is not None:
-        checks[str(instance.path_for(past))] = _check_apply(kernel, tuple(dict.fromkeys((past, MANY_ROWS))), dtype)
-    return checks
+    served: dict[str, list[int]] = {}
+    for rows in (1, 3, 4, 8, 16, 32, MANY_ROWS):
+        served.setdefault(str(instance.path_for(rows)), []).append(rows)
+    # each path at its first row count, its second (a multi-row loop is other code than the one-row one) and its
+    # last (the most rows it serves among these), named by the path that serves them: with int8 on, one row is
+    # int8's, 2 rows up to the crossover the exact GEMV's, past it the GEMM path's
+    return {path: _check_apply(kernel, tuple(dict.fromkeys((counts[0], *counts[1:2], counts[-1]))), dtype)
+            for path, counts in served.items()}
 
 
 def run_kernel(kernel: type, bits: float, codebook: str, device: torch.device,

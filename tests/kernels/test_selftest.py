@@ -372,3 +372,22 @@ def test_the_cpu_gemv_check_runs_its_multi_row_loop():
         patch.setattr(ops.CpuLinear, "__call__", wrong_past_one_row)
         ok, _, _, why = check(4, "mul1", torch.device("cpu"), (128, 128))
     assert not ok and why.startswith("at 3 rows"), (name, why)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_each_cpu_check_runs_only_rows_its_path_serves(monkeypatch, int8):
+    """A CPU check is named by a path and must run only rows that path serves: with int8 on, one row is int8's, 2
+    rows up to the crossover the exact GEMV's, past it the GEMM path's (a check named by the GEMV once ran 64 rows)."""
+    from exl3local.kernels.dispatch import CpuLinearKernel
+
+    cpu = torch.device("cpu")
+    if CpuLinearKernel.refuse(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo.of(cpu)):
+        pytest.skip("the CPU library is not built here")
+    monkeypatch.setenv("EXL3LOCAL_CPU_INT8", "1" if int8 else "0")
+    monkeypatch.setattr(selftest_checks, "_check_apply", lambda kernel, rows, dtype: rows)
+    checks = selftest_checks.checks_for(CpuLinearKernel, cpu)
+    instance = CpuLinearKernel(KernelSpec(*selftest_checks.SIZES[selftest_checks.kind(cpu)][0], 4, "mul1"),
+                               dispatch.DeviceInfo.of(cpu))
+    for name, rows in checks.items():
+        assert {str(instance.path_for(r)) for r in rows} == {name}, (name, rows)
+    assert set(checks) == {str(instance.path_for(r)) for r in range(1, selftest_checks.MANY_ROWS + 1)}
