@@ -257,7 +257,7 @@ class CpuLinearKernel(Exl3Kernel):
         if rows > self.gemv_rows:
             amx = self.amx and ops.CpuLinear.amx_rows(self.spec.act_dtype, rows)
             return KernelPath.CPU_GEMM_AMX if amx else KernelPath.CPU_GEMM
-        return KernelPath.CPU_GEMV_INT8 if self.int8 and rows <= ops.INT8_MAX_ROWS else KernelPath.CPU_GEMV
+        return KernelPath.CPU_GEMV_INT8 if ops.int8_serves(self.int8, rows) else KernelPath.CPU_GEMV
 
     def apply(self, x, trellis, suh, svh, bias=None):
         if x.shape[-1] != self.spec.size_k:

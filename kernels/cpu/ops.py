@@ -136,6 +136,11 @@ def int8_active(codebook: str, lib: ctypes.CDLL | None = None, requested: bool |
 
 
 @functools.cache
+def int8_serves(int8: bool, rows: int) -> bool:
+    """Whether a call of `rows` rows on a layer with int8 on (int8_active) takes int8 activations: one row only."""
+    return int8 and rows <= INT8_MAX_ROWS
+
+
 def amx_active(lib: ctypes.CDLL) -> bool:
     """Whether the GEMM path runs bf16 activations on AMX: the avx512 library, a CPU with AMX-BF16 and AVX512-BF16,
     and the OS granting AMX state. Exact like the fp32 path (AMX_PLANES); elsewhere the GEMM path is fp32 BLAS."""
@@ -195,7 +200,7 @@ class CpuLinear:
     def path_for(self, rows: int) -> str:
         if rows > self.gemv_rows:
             return "gemm"
-        return "gemv_int8" if self.int8 and rows <= INT8_MAX_ROWS else "gemv"
+        return "gemv_int8" if int8_serves(self.int8, rows) else "gemv"
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,7 +216,7 @@ class CpuLinear:
             u = torch.empty(m, self.size_k, dtype=torch.float32)
             self.lib.exl3_cpu_gemv(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
                                    self.lut_ptr, x.data_ptr(), self.suh.data_ptr(), self.svh.data_ptr(), u.data_ptr(),
-                                   y.data_ptr(), m, threads, int(self.int8 and m <= INT8_MAX_ROWS))
+                                   y.data_ptr(), m, threads, int(int8_serves(self.int8, m)))
         if bias is not None:
             y += bias.float()
         return y if out_dtype == torch.float32 else y.to(out_dtype)
@@ -370,7 +375,7 @@ class CpuFusedLinear:
         xf = x2d.float()
         xf = torch.nn.functional.pad(xf, (0, pad)) if pad else xf.contiguous()
         u = torch.empty(self.count * m * self.size_k, dtype=torch.float32)
-        qab = torch.empty(self.count * m * 2, dtype=torch.float32) if self.int8 and m <= INT8_MAX_ROWS else None
+        qab = torch.empty(self.count * m * 2, dtype=torch.float32) if int8_serves(self.int8, m) else None
         y = torch.empty(m, self.width, dtype=torch.float32)
         self.lib.exl3_cpu_gemv_parts(self.count, self.trellis_ptrs, self.tiles_k, self.tiles_n, self.bits2,
                                      self.codebook, self.lut_ptr, xf.data_ptr(), self.suh_ptrs, self.svh_ptrs,
