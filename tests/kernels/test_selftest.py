@@ -310,6 +310,13 @@ def test_a_correct_kernel_with_bf16_activations_passes_at_every_rate():
         assert got and all(r.ok for r in got), got
 
 
+def skip_without_the_cpu_library() -> None:
+    from exl3local.kernels.dispatch import CpuLinearKernel
+
+    if CpuLinearKernel.refuse(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo.of(torch.device("cpu"))):
+        pytest.skip("the CPU library is not built here")
+
+
 def test_the_cpu_librarys_checks_are_named_for_the_path_that_serves_their_activations():
     """The load-time check of bf16 and fp16 rows past the GEMV crossover runs the AMX GEMM where the CPU has it (fp16
     rows up to ops.AMX_U_MAX_ROWS: the u split; its 64-row run checks the fp32 GEMM that serves fp16 past them): its
@@ -317,8 +324,7 @@ def test_the_cpu_librarys_checks_are_named_for_the_path_that_serves_their_activa
     from exl3local.kernels.cpu import ops
     from exl3local.kernels.dispatch import CpuLinearKernel
 
-    if CpuLinearKernel.refuse(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo.of(torch.device("cpu"))):
-        pytest.skip("the CPU library is not built here")
+    skip_without_the_cpu_library()
     amx = ops.amx_active(ops.library())
     bf16 = selftest_checks.checks_for(CpuLinearKernel, torch.device("cpu"), dtype=torch.bfloat16)
     fp16 = selftest_checks.checks_for(CpuLinearKernel, torch.device("cpu"), dtype=torch.float16)
@@ -332,8 +338,7 @@ def test_the_cpu_gemm_check_refuses_either_amx_form_that_is_wrong(monkeypatch):
     from exl3local.kernels.cpu import ops
     from exl3local.kernels.dispatch import CpuLinearKernel
 
-    if CpuLinearKernel.refuse(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo.of(torch.device("cpu"))):
-        pytest.skip("the CPU library is not built here")
+    skip_without_the_cpu_library()
     if not ops.amx_active(ops.library()):
         pytest.skip("no AMX here: one GEMM form serves")
     right = ops.CpuLinear._gemm_amx
@@ -357,8 +362,7 @@ def test_the_cpu_gemv_check_runs_its_multi_row_loop():
     from exl3local.kernels.cpu import ops
     from exl3local.kernels.dispatch import CpuLinearKernel
 
-    if CpuLinearKernel.refuse(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo.of(torch.device("cpu"))):
-        pytest.skip("the CPU library is not built here")
+    skip_without_the_cpu_library()
     name, check = next(iter(selftest_checks.checks_for(CpuLinearKernel, torch.device("cpu")).items()))
     ok, _, _, why = check(4, "mul1", torch.device("cpu"), (128, 128))
     assert ok, why
@@ -381,8 +385,7 @@ def test_each_cpu_check_runs_only_rows_its_path_serves(monkeypatch, int8):
     from exl3local.kernels.dispatch import CpuLinearKernel
 
     cpu = torch.device("cpu")
-    if CpuLinearKernel.refuse(KernelSpec(128, 128, 4, "mul1"), dispatch.DeviceInfo.of(cpu)):
-        pytest.skip("the CPU library is not built here")
+    skip_without_the_cpu_library()
     monkeypatch.setenv("EXL3LOCAL_CPU_INT8", "1" if int8 else "0")
     monkeypatch.setattr(selftest_checks, "_check_apply", lambda kernel, rows, dtype: rows)
     checks = selftest_checks.checks_for(CpuLinearKernel, cpu)
