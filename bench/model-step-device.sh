@@ -24,7 +24,7 @@
 #     code's A/B (bench/one_launch.py --variants VARIANTS at 27B M = 1, 4 and 35B-A3B M = 16), then the GPU test set
 #     as three pytest processes side by side until +TEST_END s (their logs tests_*.log) and, beside them, bench/prefill_forms.py's and
 #     prefill_pieces.py's 27B steps at 512 rows (do they run: their times then mean nothing) and bench/sass_loop.py (the
-#     decode loop as the device's Triton compiles it).
+#     decode loop as the device's Triton compiles it); EXTRAS=0 leaves those two out.
 #   PLAN=kwidth (session 17): bench/sass_loop.py (the device's Triton), bench/one_launch.py --variants VARIANTS (default:
 #     the fragment order for kWidth 2, and the served order with the words one K step ahead) at VROWS (1,4), then
 #     bench/model_step.py at ROWS (1,4,16).
@@ -91,9 +91,11 @@ elif [ "$PLAN" = final ]; then
     "$REPO"/tests/kernels/test_split_k.py "$REPO"/tests/kernels/test_triton_decode.py &
   part gpu_moe "$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_triton_moe.py &
   part selftest "$REPO"/tests/kernels/test_selftest.py -k "not cpu" &
-  (run prefill_forms.py --steps-only --step-rows 512; run prefill_pieces.py --rows 1024 --step-rows 512) \
-    > "$OUT/prefill_steps.log" 2>&1 &
-  (cd /tmp && python3 -P "$REPO/bench/sass_loop.py" > "$OUT/sass_loop.log" 2>&1) &
+  if [ "${EXTRAS:-1}" = 1 ]; then  # EXTRAS=0: the tests alone on the GPU (they finish sooner)
+    (run prefill_forms.py --steps-only --step-rows 512; run prefill_pieces.py --rows 1024 --step-rows 512) \
+      > "$OUT/prefill_steps.log" 2>&1 &
+    (cd /tmp && python3 -P "$REPO/bench/sass_loop.py" > "$OUT/sass_loop.log" 2>&1) &
+  fi
   wait
   tail -n 3 "$OUT"/tests_*.log
 elif [ "$PLAN" = kwidth ]; then
