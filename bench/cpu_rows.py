@@ -2,13 +2,14 @@
 the two cross (ops.gemv_max_rows), and torch's bf16 linear beside them. Needs no vLLM (runs on the H200's host).
 
     python3 -P bench/cpu_rows.py [--tiers avx512,avx2vnni] [--rows 2,4,8,12,16,24,32] [--threads 1,16] [--int8]
-                                 [--out result.json]
+                                 [--no-amx] [--out result.json]
 
 Per tier, thread count, shape and row count m (mul1 K4, bf16 rows as the engine sends them):
 - gemv: the library's exl3_cpu_gemv called at m rows whatever the tier's crossover says (exact; the call the engine
   makes up to gemv_max_rows);
 - gemm: CpuLinear._gemm, the path past the crossover (on an AMX CPU's avx512 tier the AMX u split up to 32 rows and
-  the W' planes past it; elsewhere decode-strip + fp32 BLAS);
+  the W' planes past it, or with --no-amx the fp32 path as on an AVX-512 CPU without AMX; elsewhere the fp32 path: the
+  library's own GEMM on the avx512 tier, decode-strip + fp32 BLAS on the others);
 - int8 (--int8, avx512 tier): the opt-in's GEMV, at one row (it serves no more since session 17: ops.INT8_MAX_ROWS);
 - torch_bf16: F.linear on a bf16 weight (oneDNN; not vLLM's prepacked linear), once per thread count and shape.
 Median of --reps calls, best of two rounds alternating the paths; ms of wall. Weights are not cycled: from 2 rows on
@@ -45,6 +46,8 @@ def one_shape(tier: str, threads: int, k: int, n: int, rows: list[int], args, bf
     trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * args.bits), dtype=torch.int16, generator=g)
     lin = ops.CpuLinear(trellis, (torch.randn(k, generator=g) * k**-0.5).half(), torch.randn(n, generator=g).half(),
                         args.bits, "mul1", tier=tier, int8=False)
+    if args.no_amx:  # an AVX-512 CPU without AMX, emulated: the fp32 GEMM path past the crossover
+        lin.amx = False
     int8 = args.int8 and ops.int8_active("mul1", lin.lib, True)
     w = torch.randn(n, k, generator=g).bfloat16()
     r = {"tier": tier, "threads": threads, "k": k, "n": n, "gemv_max_rows": lin.gemv_rows, "amx": lin.amx, "rows": {}}
@@ -87,6 +90,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--int8", action="store_true", help="also the int8 opt-in's GEMV (avx512 tier)")
+    parser.add_argument("--no-amx", action="store_true", help="the GEMM side on the fp32 path even on an AMX CPU")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import torch

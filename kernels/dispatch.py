@@ -236,7 +236,7 @@ class CpuLinearKernel(Exl3Kernel):
         self.bound: dict[tuple, object] = {}
         self.int8 = ops.int8_active(spec.codebook)  # read once: path_for names what apply runs
         # The GEMM path runs on AMX where the CPU has it and ops.CpuLinear.amx_rows says (bf16 rows; fp32 and fp16
-        # rows up to AMX_U_MAX_ROWS), fp32 BLAS otherwise.
+        # rows up to AMX_U_MAX_ROWS), in fp32 otherwise (the library's own GEMM or BLAS: ops.own_gemm_serves).
         self.amx = ops.amx_active(ops.library())
         self.gemv_rows = ops.gemv_max_rows(ops.library())
 

@@ -8,6 +8,7 @@ A library's file name carries a hash of the source and flags, so an edited sourc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -17,7 +18,9 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("exl3_cpu.cpp")
-HEADERS = ("exl3_cpu_core.h", "exl3_cpu_avx512.h", "exl3_cpu_fp16.h", "exl3_cpu_pairs.h", "exl3_cpu_amx.h", "exl3_cpu_amx_u.h", "exl3_cpu_avx2.h", "exl3_cpu_portable.h")  # included by SOURCE, hashed with it
+# Included by SOURCE, hashed with it.
+HEADERS = ("exl3_cpu_core.h", "exl3_cpu_avx512.h", "exl3_cpu_fp16.h", "exl3_cpu_pairs.h", "exl3_cpu_amx.h",
+           "exl3_cpu_amx_u.h", "exl3_cpu_gemm.h", "exl3_cpu_avx2.h", "exl3_cpu_portable.h")
 # -ffp-contract=off: no multiply-add the source does not write (the fp16 rounding splits of mul1 need it).
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 # Per tier: the flags, and the /proc/cpuinfo flags the machine needs to run it.
@@ -49,6 +52,19 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), '' where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
 def best_tier(flags: frozenset[str] | None = None) -> str:

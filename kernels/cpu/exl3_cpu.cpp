@@ -145,6 +145,20 @@ void exl3_cpu_decode(const int16_t* trellis, int tiles_k, int tiles_n, int bits2
     decode_range(codebook, rate_for(bits2), lut, trellis, tiles_k, tiles_n, tn0, tn1, out, threads);
 }
 
+// The fp32 GEMM path on the AVX-512 tier (exl3_cpu_gemm.h): y (m, n) fp32 = H(u · Ŵ) ⊙ svh, u (m, k) the input
+// transform's rows; a: scratch for u packed, 16·ceil(m/16)·k floats. Other tiers multiply a decoded strip by BLAS.
+void exl3_cpu_gemm_f32(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const float* u,
+                       float* a, const float* svh, float* y, int m, int threads) {
+#if defined(EXL3_AVX512)
+    pack_u(u, m, tiles_k * 16, a, threads);
+    gemm_f32(codebook, rate_for(bits2), trellis, tiles_k, tiles_n, a, svh, y, m, threads);
+#else
+    (void)trellis, (void)tiles_k, (void)tiles_n, (void)bits2, (void)codebook, (void)u, (void)a, (void)svh, (void)y,
+        (void)m, (void)threads;
+    __builtin_trap();  // ops calls it on the avx512 tier only
+#endif
+}
+
 // y (m, n) = H(z) ⊙ svh per 128-block of each row (the GEMM path's output transform), in place allowed.
 void exl3_cpu_output_transform(const float* z, const float* svh, float* y, int m, int n, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * n >= 16384)

@@ -320,11 +320,29 @@ inline RowShuffle make_row_shuffle() {
     return t;
 }
 
+const RowShuffle& row_shuffle() {
+    static const RowShuffle sh = make_row_shuffle();
+    return sh;
+}
+
+// A decoded tile's 16 group vectors -> its 16 rows (register i holds tile row sh.row[i], columns in order).
+inline void shuffle_rows(const RowShuffle& sh, __m512* v) {
+    for (int st = 0; st < 3; ++st) {
+        const int rb = 2 << st;  // register bits 1, 2, 3
+        for (int x = 0; x < 16; ++x) {
+            if (x & rb) continue;
+            const __m512 a = v[x], b = v[x | rb];
+            v[x] = _mm512_permutex2var_ps(a, sh.lo[st], b);
+            v[x | rb] = _mm512_permutex2var_ps(a, sh.hi[st], b);
+        }
+    }
+}
+
 template <int CB>
 void decode_impl(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r, int tn0, int tn1, float* out,
                  int threads) {
     const Groups& g = groups_for(r);
-    static const RowShuffle sh = make_row_shuffle();
+    const RowShuffle& sh = row_shuffle();
     const int words16 = 2 * r.words32, width = (tn1 - tn0) * 16;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int tk = 0; tk < tiles_k; ++tk)
@@ -332,15 +350,7 @@ void decode_impl(const int16_t* trellis, int tiles_k, int tiles_n, const Rate& r
             const uint32_t* U = (const uint32_t*)(trellis + ((size_t)tk * tiles_n + tn) * words16);
             __m512 v[16];
             for (int gi = 0; gi < 16; ++gi) v[gi] = decode_group<CB>(U, r.words32, g, gi);
-            for (int st = 0; st < 3; ++st) {
-                const int rb = 2 << st;  // register bits 1, 2, 3
-                for (int x = 0; x < 16; ++x) {
-                    if (x & rb) continue;
-                    const __m512 a = v[x], b = v[x | rb];
-                    v[x] = _mm512_permutex2var_ps(a, sh.lo[st], b);
-                    v[x | rb] = _mm512_permutex2var_ps(a, sh.hi[st], b);
-                }
-            }
+            shuffle_rows(sh, v);
             float* o = out + (size_t)tk * 16 * width + (tn - tn0) * 16;
             for (int i = 0; i < 16; ++i) _mm512_storeu_ps(o + (size_t)sh.row[i] * width, v[i]);
         }
@@ -355,3 +365,5 @@ inline void decode_range(int codebook, const Rate& r, const float*, const int16_
 }
 
 }  // namespace
+
+#include "exl3_cpu_gemm.h"

@@ -1,8 +1,8 @@
 """Routed experts on the CPU, not a Python loop over experts: every (token, expert) unit of a decode or verify step
 in two library calls (gate and up of all units together, then down); a grouped step (a few to a hundred tokens)
-likewise, its rows binned by expert: experts with up to ops.gemv_max_rows rows (24 on the AVX-512 and AVX2 tiers
-without AMX, 8 with AMX, 3 on the portable tier) as units (each decoded weight serves all of the expert's rows), busier
-experts one at a time through CpuLinear's GEMM path (Ŵ decoded once per strip, then BLAS, or AMX).
+likewise, its rows binned by expert: experts with up to ops.gemv_max_rows rows (where the GEMV beats the GEMM path:
+15-24 on the AVX-512 and AVX2 tiers without AMX, 8 with AMX, 3 on the portable tier) as units (each decoded weight
+serves all of the expert's rows), busier experts one at a time through CpuLinear's GEMM path.
 
     experts = CpuExperts(w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, proj)   # once per layer
     out = experts.units(xf, weights, ids)      # (T, padded hidden) fp32, routing weights applied
@@ -17,7 +17,49 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from exl3local.kernels.cpu.ops import CpuExpertProjection, CpuLinear
+from exl3local.kernels.cpu import ops
+from exl3local.kernels.cpu.ops import CpuLinear
+
+
+class CpuExpertProjection:
+    """One projection of every expert, stacked: trellis (E, k/16, n/16, w), suh (E, k), svh (E, n). A call runs
+    any number of (row, expert) units in one library call: each unit is the one-pass GEMV of its expert."""
+
+    def __init__(self, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str) -> None:
+        if not trellis.is_contiguous():
+            raise ValueError("the CPU kernel reads the expert trellises as stored: they must be contiguous")
+        ops.bind_operands(self, ops.library(), trellis, trellis.shape[1], trellis.shape[2], suh, svh, bits, codebook)
+        # Rows up to which an expert runs as a unit of grouped(): where CpuLinear's GEMV would serve them too.
+        self.unit_rows = ops.gemv_max_rows(self.lib)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int = 1) -> torch.Tensor:
+        """Unit i = row x[i // x_div] through expert ids[i] (< 0: another rank's, its row stays zero):
+        x (rows, k) -> y (len(ids), n) fp32."""
+        x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
+        ids = ids.to(torch.int32).contiguous()
+        units = ids.numel()
+        y = torch.zeros(units, self.size_n, dtype=torch.float32)
+        u = torch.empty(units, self.size_k, dtype=torch.float32)
+        self.lib.exl3_cpu_moe(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
+                              self.lut_ptr, x.data_ptr(), x_div, ids.data_ptr(), units, self.suh.data_ptr(),
+                              self.svh.data_ptr(), u.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def grouped(self, x: torch.Tensor, xrow: torch.Tensor, ids: torch.Tensor, start: torch.Tensor,
+                max_rows: int) -> torch.Tensor:
+        """Unit i = rows start[i]:start[i+1] (at most max_rows, which sizes the GEMV's accumulators) through expert
+        ids[i] (>= 0), row r's input being x[xrow[r]]: x (rows, k) -> y (start[-1], n) fp32, in one library call."""
+        x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
+        xrow, ids, start = (t.to(torch.int32).contiguous() for t in (xrow, ids, start))
+        rows = xrow.numel()
+        y = torch.empty(rows, self.size_n, dtype=torch.float32)
+        u = torch.empty(rows, self.size_k, dtype=torch.float32)
+        self.lib.exl3_cpu_moe_grouped(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
+                                      self.lut_ptr, x.data_ptr(), xrow.data_ptr(), ids.data_ptr(), start.data_ptr(),
+                                      ids.numel(), max_rows, self.suh.data_ptr(), self.svh.data_ptr(),
+                                      u.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y
+
 
 
 def refusal(proj: dict) -> str | None:

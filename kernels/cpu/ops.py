@@ -8,8 +8,9 @@
 
 GEMV (m <= gemv_max_rows): one pass over the trellis, Ŵ decoded in registers, both Hadamard transforms in
 the library; opt-in (EXL3LOCAL_CPU_INT8, mul1 only) with int8 activations at one row, not exact (int8_active).
-GEMM (more rows): bf16 activations on AMX where the CPU has it (amx_active: exact, W' in three bf16 planes), else Ŵ
-decoded once per strip of columns into fp32 and multiplied by torch's BLAS.
+GEMM (more rows): bf16 activations on AMX where the CPU has it (amx_active: exact, W' in three bf16 planes), else in
+fp32: the library's own GEMM with Ŵ decoded into its B panels (own_gemm_serves: the avx512 tier, not on Intel CPUs),
+or Ŵ decoded once per strip of columns and multiplied by torch's BLAS.
 Both use torch's intra-op thread count (the engine's threads) and, since the library links the same
 OpenMP runtime torch loaded (libgomp.so.1), the same worker threads.
 """
@@ -32,10 +33,15 @@ GEMV_MAX_ROWS = 8
 # The same on the portable tier (the codebook as a table, no SIMD): its GEMV beat decode-strip + BLAS 1.15-1.74x at
 # 1-2 rows, 0.93-1.37x at 3, and lost from 4 (0.75-0.82x; 0.43-0.53x at 8) on Zen 4 at 1 thread (session 17).
 GEMV_MAX_ROWS_PORTABLE = 3
-# The same on the AVX-512 and AVX2 tiers without AMX: their GEMV (8 rows per pass, each group's accumulators in
-# registers) beat decode-strip + fp32 BLAS up to 24-28 rows on Zen 4 at 1 thread (docs/PERF.md, CPU, session 16), and
-# the avx2vnni tier's up to 24-32 on Emerald Rapids (session 17). MoE experts with as many rows run as units.
+# The same on the AVX-512 and AVX2 tiers without AMX where the GEMM path is decode-strip + torch's BLAS (the AVX2 tiers;
+# the avx512 tier on Intel CPUs, own_gemm_serves): their GEMV (8 rows per pass, each group's accumulators in
+# registers) beat it up to 24-28 rows on Zen 4 (session 16) and the avx2vnni tier's up to 24-32 on Emerald Rapids
+# (1-16 threads, session 17). MoE experts with as many rows run as units.
 GEMV_MAX_ROWS_SIMD = 24
+# The same where the GEMM path is the library's own (the avx512 tier on other CPUs than Intel's, own_gemm_serves): on
+# Zen 4 the GEMM path's time over the GEMV's was 1.02-1.10 at 15 rows and 0.88-0.94 at 16, at 1 and at 2 threads alike
+# (session 18); forced on Emerald Rapids (without its AMX), 16 rows 0.70-1.10 at 1-16 threads.
+GEMV_MAX_ROWS_OWN_GEMM = 15
 # Rows up to which an int8 layer's GEMV takes int8 activations: its loop for more rows keeps the accumulators in memory
 # (as the exact loop did before session 16) and took 1.2-2.8x the exact GEMV's time at 4-8 rows (Emerald Rapids, 1-16
 # threads; slower at 2 rows on Zen 4 too), so from 2 rows an int8 layer runs the exact GEMV, up to gemv_max_rows.
@@ -90,6 +96,7 @@ _SIGNATURES = {
     "exl3_cpu_decode": ((_P, _I, _I, _I, _I, _P, _I, _I, _P, _I), None),
     "exl3_cpu_output_transform": ((_P, _P, _P, _I, _I, _I), None),
     "exl3_cpu_input_transform": ((_P, _P, _P, _I, _I, _I), None),
+    "exl3_cpu_gemm_f32": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I), None),
     "exl3_cpu_amx": ((), _I),
     "exl3_cpu_fp16": ((_I,), _I),
     "exl3_cpu_gemm_amx": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I), None),
@@ -149,18 +156,29 @@ def amx_active(lib: ctypes.CDLL) -> bool:
             and bool(lib.exl3_cpu_amx()))
 
 
+def own_gemm_serves(lib: ctypes.CDLL) -> bool:
+    """Whether the fp32 GEMM path runs the library's own GEMM (exl3_cpu_gemm.h: Ŵ decoded into its B panels) rather
+    than decode-strip + torch's BLAS: the avx512 tier, on a CPU that is not Intel's. torch's BLAS is MKL, which ran this
+    product at 72-82 % of Zen 4's fp32 peak, where the own GEMM took 0.77-0.91x the path's time at 32-512 rows (1
+    thread); on Emerald Rapids MKL beat it at 1 thread (it took 1.07-1.33x MKL's time; docs/PERF.md, CPU, session 18)."""
+    return lib.exl3_cpu_tier() == 512 and build.cpu_vendor() != "GenuineIntel"
+
+
 def gemv_max_rows(lib: ctypes.CDLL) -> int:
-    """Rows up to which a call on `lib` runs the one-pass GEMV (GEMV_MAX_ROWS, _PORTABLE, _SIMD)."""
+    """Rows up to which a call on `lib` runs the one-pass GEMV: where it beats the GEMM path that serves past it
+    (GEMV_MAX_ROWS with AMX, _PORTABLE, _OWN_GEMM, _SIMD)."""
     if lib.exl3_cpu_tier() == 0:
         return GEMV_MAX_ROWS_PORTABLE
-    return GEMV_MAX_ROWS if amx_active(lib) else GEMV_MAX_ROWS_SIMD
+    if amx_active(lib):
+        return GEMV_MAX_ROWS
+    return GEMV_MAX_ROWS_OWN_GEMM if own_gemm_serves(lib) else GEMV_MAX_ROWS_SIMD
 
 
 def _bits2(bits: float) -> int:
     return int(round(2 * bits))
 
 
-def _bind_operands(op, lib: ctypes.CDLL, trellis: torch.Tensor, tiles_k: int, tiles_n: int, suh: torch.Tensor,
+def bind_operands(op, lib: ctypes.CDLL, trellis: torch.Tensor, tiles_k: int, tiles_n: int, suh: torch.Tensor,
                    svh: torch.Tensor, bits: float, codebook: str) -> None:
     """The library calls' operands, set on `op` (a linear or an expert stack: they differ in tile dims only)."""
     heap.release_large_frees()
@@ -184,10 +202,11 @@ class CpuLinear:
                  tier: str | None = None, int8: bool | None = None) -> None:
         if not trellis.is_contiguous():
             raise ValueError("the CPU kernel reads the trellis as stored: it must be contiguous")
-        _bind_operands(self, library(tier), trellis, trellis.shape[0], trellis.shape[1], suh, svh, bits, codebook)
+        bind_operands(self, library(tier), trellis, trellis.shape[0], trellis.shape[1], suh, svh, bits, codebook)
         self.int8 = int8_active(codebook, self.lib, int8)
         self.amx = amx_active(self.lib)
         self.gemv_rows = gemv_max_rows(self.lib)
+        self.own_gemm = own_gemm_serves(self.lib)  # the fp32 GEMM path's form
 
     @staticmethod
     def amx_rows(dtype: torch.dtype, rows: int) -> bool:
@@ -222,21 +241,33 @@ class CpuLinear:
         return y if out_dtype == torch.float32 else y.to(out_dtype)
 
     def _gemm(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-        """Up to GEMM_ROWS rows per pass: u = H(x ⊙ suh) in the workspace, then per strip of columns Ŵ decoded once,
-        one BLAS matmul, the output transform, and the strip cast into the output. Every fp32 intermediate lives
-        in this thread's workspace, so a prefill leaves no large freed buffers behind (the heap would keep them)."""
+        """Up to GEMM_ROWS rows per pass: u = H(x ⊙ suh) in the workspace, then the library's own GEMM (own_gemm: u
+        packed, Ŵ decoded into its panels, the output transform inside) or per strip of columns Ŵ decoded once, one
+        BLAS matmul and the output transform; the result cast into the output. Every fp32 intermediate lives in this
+        thread's workspace, so a prefill leaves no large freed buffers behind (the heap would keep them)."""
         if self.amx and self.amx_rows(x.dtype, x.shape[0]):
             return self._gemm_amx(x, out_dtype, bias, threads)
         k, n = self.size_k, self.size_n
         out = torch.empty(x.shape[0], n, dtype=out_dtype)
+        bias = bias.float() if bias is not None else None
+        if self.own_gemm:
+            for r0 in range(0, x.shape[0], GEMM_ROWS):  # the library's own GEMM, Ŵ decoded into its B panels
+                rows = min(GEMM_ROWS, x.shape[0] - r0)
+                u = self._input_transform(x[r0 : r0 + rows], threads)
+                y = _workspace("y", rows * n).view(rows, n)
+                packed = _workspace("a", -(-rows // 16) * 16 * k)  # u in 16-row blocks, k-major
+                self.lib.exl3_cpu_gemm_f32(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2,
+                                           self.codebook, u.data_ptr(), packed.data_ptr(), self.svh.data_ptr(),
+                                           y.data_ptr(), rows, threads)
+                if bias is not None:
+                    y += bias
+                out[r0 : r0 + rows] = y
+            return out
         strip_tiles = max(8, (STRIP_ELEMENTS // k) // 128 * 8)
         cols = 16 * min(self.tiles_n, strip_tiles)
-        bias = bias.float() if bias is not None else None
         for r0 in range(0, x.shape[0], GEMM_ROWS):
             rows = min(GEMM_ROWS, x.shape[0] - r0)
-            u = _workspace("u", rows * k).view(rows, k)
-            u.copy_(x[r0 : r0 + rows])
-            self.lib.exl3_cpu_input_transform(u.data_ptr(), self.suh.data_ptr(), u.data_ptr(), rows, k, threads)
+            u = self._input_transform(x[r0 : r0 + rows], threads)
             w_all = _workspace("strip", k * cols)
             y_all = _workspace("y", rows * cols)
             for tn0 in range(0, self.tiles_n, strip_tiles):
@@ -252,6 +283,14 @@ class CpuLinear:
                     y += bias[16 * tn0 : 16 * tn1]
                 out[r0 : r0 + rows, 16 * tn0 : 16 * tn1] = y
         return out
+
+    def _input_transform(self, x: torch.Tensor, threads: int) -> torch.Tensor:
+        """u = H(x ⊙ suh) in fp32, in this thread's workspace."""
+        u = _workspace("u", x.numel()).view(x.shape)
+        u.copy_(x)
+        self.lib.exl3_cpu_input_transform(u.data_ptr(), self.suh.data_ptr(), u.data_ptr(), x.shape[0], x.shape[1],
+                                          threads)
+        return u
 
     def _gemm_amx(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
                   threads: int) -> torch.Tensor:
@@ -286,46 +325,6 @@ class CpuLinear:
         out = torch.empty(self.size_k, self.size_n, dtype=torch.float32)
         self.decode_into(out, 0, self.tiles_n)
         return out
-
-
-class CpuExpertProjection:
-    """One projection of every expert, stacked: trellis (E, k/16, n/16, w), suh (E, k), svh (E, n). A call runs
-    any number of (row, expert) units in one library call: each unit is the one-pass GEMV of its expert."""
-
-    def __init__(self, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str) -> None:
-        if not trellis.is_contiguous():
-            raise ValueError("the CPU kernel reads the expert trellises as stored: they must be contiguous")
-        _bind_operands(self, library(), trellis, trellis.shape[1], trellis.shape[2], suh, svh, bits, codebook)
-        # Rows up to which an expert runs as a unit of grouped(): where CpuLinear's GEMV would serve them too.
-        self.unit_rows = gemv_max_rows(self.lib)
-
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int = 1) -> torch.Tensor:
-        """Unit i = row x[i // x_div] through expert ids[i] (< 0: another rank's, its row stays zero):
-        x (rows, k) -> y (len(ids), n) fp32."""
-        x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
-        ids = ids.to(torch.int32).contiguous()
-        units = ids.numel()
-        y = torch.zeros(units, self.size_n, dtype=torch.float32)
-        u = torch.empty(units, self.size_k, dtype=torch.float32)
-        self.lib.exl3_cpu_moe(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
-                              self.lut_ptr, x.data_ptr(), x_div, ids.data_ptr(), units, self.suh.data_ptr(),
-                              self.svh.data_ptr(), u.data_ptr(), y.data_ptr(), torch.get_num_threads())
-        return y
-
-    def grouped(self, x: torch.Tensor, xrow: torch.Tensor, ids: torch.Tensor, start: torch.Tensor,
-                max_rows: int) -> torch.Tensor:
-        """Unit i = rows start[i]:start[i+1] (at most max_rows, which sizes the GEMV's accumulators) through expert
-        ids[i] (>= 0), row r's input being x[xrow[r]]: x (rows, k) -> y (start[-1], n) fp32, in one library call."""
-        x = x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
-        xrow, ids, start = (t.to(torch.int32).contiguous() for t in (xrow, ids, start))
-        rows = xrow.numel()
-        y = torch.empty(rows, self.size_n, dtype=torch.float32)
-        u = torch.empty(rows, self.size_k, dtype=torch.float32)
-        self.lib.exl3_cpu_moe_grouped(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2, self.codebook,
-                                      self.lut_ptr, x.data_ptr(), xrow.data_ptr(), ids.data_ptr(), start.data_ptr(),
-                                      ids.numel(), max_rows, self.suh.data_ptr(), self.svh.data_ptr(),
-                                      u.data_ptr(), y.data_ptr(), torch.get_num_threads())
-        return y
 
 
 class CpuFusedLinear:

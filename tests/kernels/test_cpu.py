@@ -84,19 +84,60 @@ def test_both_paths_match_the_reference(codebook, bits, rows):
         torch.testing.assert_close(got, same_steps, rtol=1e-5, atol=1e-5, msg=lambda m, tier=tier: f"{tier}: {m}")
 
 
-def test_gemm_path_in_row_passes_and_strips_with_bias(monkeypatch):
+@pytest.mark.parametrize("own_gemm", [True, False])
+def test_gemm_path_in_row_passes_and_strips_with_bias(own_gemm, monkeypatch):
     """More rows than one pass (GEMM_ROWS) and more columns than one strip: every piece lands in its place, the
-    bias is added in fp32 and a bf16 output is the fp32 result cast once."""
+    bias is added in fp32 and a bf16 output is the fp32 result cast once; both fp32 GEMMs (the avx512 tier's own,
+    decode-strip + BLAS)."""
     monkeypatch.setattr(ops, "GEMM_ROWS", 16)
     monkeypatch.setattr(ops, "STRIP_ELEMENTS", 384 * 128)  # 128-column strips: two of them
     trellis, suh, svh = _layer(384, 256, 4, "mul1")
     lin = ops.CpuLinear(trellis, suh, svh, 4, "mul1")
+    if own_gemm and lin.lib.exl3_cpu_tier() != 512:
+        pytest.skip("the library's own fp32 GEMM is the avx512 tier's")
+    lin.own_gemm, lin.amx = own_gemm, False
     x = torch.randn(40, 384, generator=torch.Generator().manual_seed(2))
     bias = torch.randn(256).half()
     got = lin(x, torch.float32, bias)
     torch.testing.assert_close(got, reference.linear(x, trellis, suh, svh, 4, "mul1", bias), rtol=1e-5, atol=1e-5)
     xb = x.bfloat16()
     assert torch.equal(lin(xb, torch.bfloat16, bias), lin(xb, torch.float32, bias).bfloat16())
+
+
+@pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3), ("mcg", 2), ("mul1", 3.5)])
+def test_own_fp32_gemm_equals_the_blas_path(codebook, bits):
+    """The avx512 tier's own GEMM (exl3_cpu_gemm.h: Ŵ decoded into B panels, 16- and 8-row register blocks, k in
+    passes of GEMM_KC = 512) against decode-strip + BLAS: k = 640 (a pass and a part), row counts that fill the
+    16-row block, leave 1-8 rows (the 8-row block) or 9-15 (a partial 16-row block), 1 and 2 threads."""
+    trellis, suh, svh = _layer(640, 256, bits, codebook, seed=7)
+    if "avx512" not in TIERS:
+        pytest.skip("the library's own fp32 GEMM is the avx512 tier's")
+    lin = ops.CpuLinear(trellis, suh, svh, bits, codebook, tier="avx512")
+    lin.amx = False  # checked where it does not serve too (Intel CPUs, AMX): the kernel is in the library
+    x = torch.randn(45, 640, generator=torch.Generator().manual_seed(5))
+    for rows in (1, 5, 16, 20, 25, 45):
+        for threads in (1, 2):
+            lin.own_gemm = True
+            got = lin._gemm(x[:rows], torch.float32, None, threads)
+            lin.own_gemm = False
+            want = lin._gemm(x[:rows], torch.float32, None, threads)
+            torch.testing.assert_close(
+                got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                msg=lambda m, r=rows, t=threads: f"{codebook} {bits} rows {r} threads {t}: {m}")
+
+
+def test_the_crossover_follows_the_gemm_path_past_it():
+    """The GEMV serves up to the row count where the GEMM path that takes over wins (ops.gemv_max_rows): 15 rows before
+    the avx512 tier's own GEMM (CPUs other than Intel's, without AMX), 24 before decode-strip + BLAS, 8 before AMX,
+    3 on the portable tier; a layer hands the next row count to the GEMM path."""
+    trellis, suh, svh = _layer(256, 128, 4, "mul1")
+    for tier in TIERS:
+        lin = ops.CpuLinear(trellis, suh, svh, 4, "mul1", tier=tier)
+        want = (ops.GEMV_MAX_ROWS_PORTABLE if tier == "portable" else ops.GEMV_MAX_ROWS if lin.amx
+                else ops.GEMV_MAX_ROWS_OWN_GEMM if lin.own_gemm else ops.GEMV_MAX_ROWS_SIMD)
+        assert lin.gemv_rows == ops.gemv_max_rows(lin.lib) == want, tier
+        assert lin.own_gemm == (tier == "avx512" and build.cpu_vendor() != "GenuineIntel"), tier
+        assert (lin.path_for(want), lin.path_for(want + 1)) == ("gemv", "gemm"), tier
 
 
 def test_kernel_through_dispatch_handles_dtype_lead_dims_bias_and_strides():
