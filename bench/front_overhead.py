@@ -14,12 +14,12 @@ The verdict compares rounds pairwise (each round's front median against the same
 load change across the run moves both sides: the median of those differences with a bootstrap 95% interval,
 against the issue's budget (TTFT +5 ms, decode >= 0.98x). Daemon CPU per request: the daemon's CPU time (psutil)
 over the front's cells, less its idle rate measured over the direct cells, over the requests.
-The client's own delays are reported too (its run-queue wait, its event loop's worst lag per round), and so are
-the whole machine's: a sentinel process that only sleeps 10 ms at a time reports each oversleep. On the 2-vCPU VM of
-session 17 the machine stalled for 0.5-1.9 s at a time while the engine ran (an idle box, CPU burners and a memory
-churner showed none), the TTFT tail of such rounds belongs to neither path, and the rounds no stall touched give a
-second, diagnostic estimate beside the verdict (docs/PERF.md, endpoint, session 17). The client runs at nice -10 once
-the engine is up where it may (--client-nice).
+The client's own delays are reported, and a bystander's: a sentinel process sleeping 10 ms at a time reports each
+oversleep and how much of it it waited runnable (schedstat). On the 2-vCPU VM of sessions 16-18 stalls of 0.2-2.4 s,
+all run-queue wait, hit most rounds while vLLM's CPU engine ran with its worker bound to one core (none with
+--engine-env VLLM_CPU_OMP_THREADS_BIND=nobind): such rounds' TTFT tail is neither path's, and the rounds no stall
+touched give a diagnostic estimate beside the verdict (docs/PERF.md, endpoint, sessions 17-18). The client runs at
+nice -10 once the engine is up where it may (--client-nice).
 Isolated XDG dirs, TMPDIR and ports: it does not touch a running daemon.
 """
 
@@ -45,7 +45,7 @@ from isolated import cli, engine_socket, isolated_env  # noqa: E402
 
 TTFT_BUDGET_MS = 5.0
 DECODE_BUDGET = 0.98
-STALL_S = 0.1  # a round in which the client or the whole machine stalled this long: its TTFTs are not the path's
+STALL_S = 0.1  # a round in which the client or a bystander stalled this long: its TTFTs are not the path's
 
 
 async def one(client: httpx.AsyncClient, model: str, tokens: int) -> tuple[float, float, int]:
@@ -102,34 +102,41 @@ async def loop_lag(worst: list[float]) -> None:
         worst[0] = max(worst[0], time.perf_counter() - t - 0.01)
 
 
-# A process apart from everything measured that only sleeps 10 ms at a time and prints each oversleep: when it wakes
-# late too, the whole machine stalled (session 17 on a 2-vCPU VM: 0.5-1.9 s, at the moments the rounds stalled).
+# A process apart from everything measured that only sleeps 10 ms at a time and prints each oversleep with the part of
+# it spent runnable but not running (schedstat's run delay): when it wakes late too, the stall was not either path's,
+# and its run delay tells a scheduler that left it waiting from a machine that was paused.
 SENTINEL = """
-import sys, time
+import time
+def queued():
+    try:
+        return int(open("/proc/self/schedstat").read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 while True:
-    t = time.monotonic()
+    t, q = time.monotonic(), queued()
     time.sleep(0.01)
     late = time.monotonic() - t - 0.01
     if late > 0.02:
-        print(f"{t + 0.01:.4f} {late:.4f}", flush=True)
+        print(f"{t + 0.01:.4f} {late:.4f} {queued() - q:.4f}", flush=True)
 """
 
 
-async def watch_machine(stalls: list[tuple[float, float]]) -> None:
-    """Run the sentinel until cancelled, collecting (start, end) of each stall it saw (time.monotonic)."""
+async def watch_machine(stalls: list[tuple[float, float, float]]) -> None:
+    """Run the sentinel until cancelled, collecting (start, end, run-queue wait) of each stall it saw (monotonic s)."""
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", SENTINEL, stdout=asyncio.subprocess.PIPE)
     try:
         async for line in proc.stdout:
-            start, late = map(float, line.split())
-            stalls.append((start, start + late))
+            start, late, queued = map(float, line.split())
+            stalls.append((start, start + late, queued))
     finally:
         proc.kill()
         await proc.wait()
 
 
-def machine_stall_s(span: tuple[float, float], stalls: list[tuple[float, float]]) -> float:
-    """The longest machine stall overlapping `span`."""
-    return max((min(b, span[1]) - max(a, span[0]) for a, b in stalls if a < span[1] and b > span[0]), default=0.0)
+def machine_stall_s(span: tuple[float, float], stalls: list[tuple[float, float, float]]) -> float:
+    """The longest sentinel stall overlapping `span`."""
+    return max((min(b, span[1]) - max(a, span[0]) for a, b, _ in stalls if a < span[1] and b > span[0]),
+               default=0.0)
 
 
 async def cell(client: httpx.AsyncClient, model: str, tokens: int, c: int, daemon: psutil.Process) -> dict:
@@ -193,7 +200,7 @@ def summary(cells: dict[str, list[dict]]) -> dict:
                      "client_lagged_rounds": sum(c["client_lag_s"] > STALL_S for c in rounds),
                      "machine_stalled_rounds": sum(c["machine_stall_s"] > STALL_S for c in rounds)}
     out["ttft_diff_ms"], out["decode_ratio"] = paired(cells["front"], cells["direct"])
-    # a diagnostic beside the verdict: the pairs that no machine stall touched (a sentinel outside both paths says so)
+    # a diagnostic beside the verdict: the pairs that no sentinel stall touched (it stands outside both paths)
     calm = [(f, d) for f, d in zip(cells["front"], cells["direct"], strict=True)
             if max(f["machine_stall_s"], d["machine_stall_s"]) <= STALL_S]
     out["calm_pairs"] = len(calm)
@@ -222,7 +229,7 @@ async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int,
     direct = httpx.AsyncClient(base_url="http://engine", transport=httpx.AsyncHTTPTransport(uds=uds, limits=limits),
                                timeout=600, trust_env=False)
     results: dict = {}
-    stalls: list[tuple[float, float]] = []
+    stalls: list[tuple[float, float, float]] = []
     watcher = asyncio.create_task(watch_machine(stalls))
     async with front, direct:
         for c in levels:  # warm both paths, the engine, and as many pooled connections as the level needs
@@ -246,6 +253,9 @@ async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int,
                 for done in path_cells:
                     done["machine_stall_s"] = machine_stall_s(done["span"], stalls)
             results[c] = summary(cells)
+            long = [(b - a, q) for a, b, q in stalls if b - a > STALL_S]
+            results[c]["stall_queued_share"] = sum(q for _, q in long) / sum(d for d, _ in long) if long else None
+            stalls.clear()
     watcher.cancel()
     await asyncio.gather(watcher, return_exceptions=True)
     return results
@@ -290,17 +300,28 @@ def report(res: dict, head: str) -> None:
             f"{s[name]['client_lagged_rounds']} of {s[name]['rounds']}" for name in ("front", "direct")))
         stalled = ", ".join(f"{name} {s[name]['machine_stalled_rounds']} of {s[name]['rounds']}"
                             for name in ("front", "direct"))
-        print(f"  machine stalls over {1000 * STALL_S:.0f} ms (a sentinel process woke that late) in rounds: {stalled}")
+        share = s["stall_queued_share"]
+        queued = "" if share is None else f"; {100 * share:.0f} % of their time it was runnable, waiting for a CPU"
+        print(f"  stalls over {1000 * STALL_S:.0f} ms of a bystander (a sentinel process woke that late) in rounds: "
+              f"{stalled}{queued}")
         if "calm_ttft_diff_ms" in s:
             t, tl, th = s["calm_ttft_diff_ms"]
             r, rl, rh = s["calm_decode_ratio"]
-            print(f"  over the {s['calm_pairs']} round pairs no machine stall touched: TTFT {t:+.1f} ms "
+            print(f"  over the {s['calm_pairs']} round pairs no sentinel stall touched: TTFT {t:+.1f} ms "
                   f"(95% {tl:+.1f}..{th:+.1f}), decode {r:.3f}x (95% {rl:.3f}..{rh:.3f}) "
                   "(a diagnostic; the verdict is above)")
         if c > 1:
             print("  TTFT ms p50 by start order in a round  " + "  ".join(
                 f"{name} " + "/".join(f"{v:.0f}" for v in s[name]["ttft_ms_by_start"])
                 for name in ("front", "direct", "burn") if name in s))
+
+
+def engine_env(pairs: list[str]) -> dict[str, str]:
+    """--engine-env's NAME=VALUE pairs: the daemon hands its environment to the engine it starts."""
+    bad = [p for p in pairs if "=" not in p or not p.split("=", 1)[0]]
+    if bad:
+        sys.exit(f"--engine-env: expected NAME=VALUE, got {', '.join(map(repr, bad))}")
+    return dict(p.split("=", 1) for p in pairs)
 
 
 def raise_priority(nice: int) -> int:
@@ -327,6 +348,8 @@ def main() -> None:
     ap.add_argument("--burn-site", type=Path, default=Path(__file__).resolve().parent / "front_burn_site.py",
                     help="the daemon's sitecustomize for the burn path (bench/front_lean_site.py: a minimal engine "
                     "reader instead of aiohttp, with --burn 0 0)")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in the engine's environment (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=nobind")
     ap.add_argument("--client-nice", type=int, default=-10, help="the client's nice value once the engine is up "
                     "(default -10; needs CAP_SYS_NICE, else the client stays at its own): on a busy 2-core box it "
                     "halved the client's run-queue wait (session 17: 0.7 vs 1.5 s per round); the machine's own "
@@ -334,6 +357,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="exl3b-", dir="/tmp") as tmp:
         env = isolated_env(Path(tmp))
+        env.update(engine_env(args.engine_env))
         burn_flag = None
         if args.burn:
             site = Path(tmp) / "burnsite"
@@ -367,10 +391,11 @@ def main() -> None:
         finally:
             cli(env, "down")
     engine = f"stand-in {args.standin.name}" if args.standin else "vLLM"
+    engine_set = f"; engine with {' '.join(args.engine_env)}" if args.engine_env else ""
     burn = f"; burn path: +{args.burn[0]:g} us per request, +{args.burn[1]:g} us per streamed read" if args.burn else ""
     report(res, f"model {status['model']} on {engine}, {args.tokens} tokens per request, {args.rounds} rounds per "
                 f"path, clients keep idle connections {args.keepalive:g} s; load average {load0:.1f} at the start, "
-                f"{load1:.1f} at the end; client at nice {client_nice}{burn}")
+                f"{load1:.1f} at the end; client at nice {client_nice}{engine_set}{burn}")
 
 
 if __name__ == "__main__":
