@@ -146,7 +146,7 @@ void exl3_cpu_decode(const int16_t* trellis, int tiles_k, int tiles_n, int bits2
 }
 
 // The fp32 GEMM path on the AVX-512 tier (exl3_cpu_gemm.h): y (m, n) fp32 = H(u · Ŵ) ⊙ svh, u (m, k) the input
-// transform's rows; a: scratch for u packed, 16·ceil(m/16)·k floats. Other tiers multiply a decoded strip by BLAS.
+// transform's rows; a: scratch for u packed, (m + 15)·k floats. Other tiers multiply a decoded strip by BLAS.
 void exl3_cpu_gemm_f32(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const float* u,
                        float* a, const float* svh, float* y, int m, int threads) {
 #if defined(EXL3_AVX512)

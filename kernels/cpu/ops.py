@@ -255,7 +255,7 @@ class CpuLinear:
                 rows = min(GEMM_ROWS, x.shape[0] - r0)
                 u = self._input_transform(x[r0 : r0 + rows], threads)
                 y = _workspace("y", rows * n).view(rows, n)
-                packed = _workspace("a", -(-rows // 16) * 16 * k)  # u in 16-row blocks, k-major
+                packed = _workspace("a", (rows + 15) * k)  # u in blocks of up to 16 rows, k-major
                 self.lib.exl3_cpu_gemm_f32(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2,
                                            self.codebook, u.data_ptr(), packed.data_ptr(), self.svh.data_ptr(),
                                            y.data_ptr(), rows, threads)
