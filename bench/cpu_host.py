@@ -122,8 +122,9 @@ def one_row(args, threads: int, before) -> list[dict]:
 
 
 def gemm_pair(k: int, n: int, bits: int, g):
-    """A random mul1 k x n CpuLinear (its GEMM path on AMX where the CPU has it) and its twin on the fp32 BLAS path,
-    drawn from generator g (bench/cpu_linears.py uses the same pair)."""
+    """A random mul1 k x n CpuLinear (its GEMM path on AMX where the CPU has it) and its twin on the fp32 path (the
+    library's own GEMM or decode-strip + BLAS: ops.own_gemm_serves), drawn from generator g (bench/cpu_linears.py uses
+    the same pair)."""
     import torch
 
     from exl3local.kernels.cpu import ops

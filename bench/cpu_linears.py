@@ -150,7 +150,8 @@ def linear_prefill(args, cfg: dict) -> None:
         torch.set_num_threads(args.threads)
     hidden, inter, m = cfg["hidden_size"], cfg["intermediate_size"], args.prefill
     gemv = m <= ops.gemv_max_rows(ops.library())
-    served = "GEMV" if gemv else "GEMM " + ("AMX" if ops.amx_active(ops.library()) else "fp32 (no AMX)")
+    fp32_form = "own" if ops.own_gemm_serves(ops.library()) else "BLAS"
+    served = "GEMV" if gemv else "GEMM " + ("AMX" if ops.amx_active(ops.library()) else f"fp32 {fp32_form} (no AMX)")
     g = torch.Generator().manual_seed(0)
     for k, n in ((hidden, hidden), (hidden, 2 * inter), (inter, hidden)):
         lin, fp32 = gemm_pair(k, n, args.bits, g)
@@ -159,7 +160,7 @@ def linear_prefill(args, cfg: dict) -> None:
         runs = {"bf16 (vLLM oneDNN)": lambda: vllm_ops.onednn_mm(handler, x, None),
                 f"exl3 {served}": lambda: lin(x, torch.bfloat16)}
         if not gemv:
-            runs["exl3 GEMM fp32 BLAS"] = lambda: fp32(x, torch.bfloat16)
+            runs[f"exl3 GEMM fp32 {fp32_form}"] = lambda: fp32(x, torch.bfloat16)
         best: dict[str, float] = {}
         for _ in range(args.repeat):
             for name, fn in runs.items():
