@@ -28,32 +28,26 @@ def ring_dot(u_ptr, w_base, rm, mask_m, size_k, tiles_n, tk0, steps, tn0, KA: tl
     u_ptrs = u_ptr + rm.to(tl.int64)[:, None] * size_k + tk0 * 16 + tl.arange(0, 16 * KT)[None, :]
     acc = tl.zeros((BM, 16 * BNT), dtype=tl.float32)
     KW: tl.constexpr = 4 if FRAG == 4 else 2
-    if PF and FRAG:
+    if PF and FRAG:  # the first step's words and activations, ahead of the loop
         w0, w1, w2 = window_words(row_base, tile_off, s, KT, BNT, W32)
         un = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
-        for i in range(steps):
+    for i in range(steps):
+        if PF and FRAG:
             ahead = tl.where(i + 1 < steps, 1, 0)
             n0, n1, n2 = window_words(row_base + ahead * (KT * tiles_n * W32), tile_off, s, KT, BNT, W32)
             u = un
             un = tl.load(u_ptrs + ahead * (16 * KT), mask=mask_m[:, None], other=0.0)
             w = fragment_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, KW, w0, w1, w2)
-            if KW == 4:
-                u = ring_order_rows(u, BM, KT)
-            acc = tl.dot(u, w, acc)
             w0, w1, w2 = n0, n1, n2
-            row_base += KT * tiles_n * W32
-            u_ptrs += 16 * KT
-    else:
-        for _ in range(steps):
-            if FRAG:
-                w = fragment_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, KW)
-                u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
-                if KW == 4:
-                    u = ring_order_rows(u, BM, KT)
-            else:
-                w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, FLAT)
-                u = ring_order_rows(tl.load(u_ptrs, mask=mask_m[:, None], other=0.0), BM, KT)
-            acc = tl.dot(u, w, acc)
-            row_base += KT * tiles_n * W32
-            u_ptrs += 16 * KT
+        elif FRAG:
+            w = fragment_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, KW)
+            u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
+        else:
+            w = ring_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, FLAT)
+            u = tl.load(u_ptrs, mask=mask_m[:, None], other=0.0)
+        if KW == 4 or not FRAG:
+            u = ring_order_rows(u, BM, KT)
+        acc = tl.dot(u, w, acc)
+        row_base += KT * tiles_n * W32
+        u_ptrs += 16 * KT
     return acc
