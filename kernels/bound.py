@@ -146,9 +146,14 @@ class FusedLaunch:
         """(splits, K steps per split) of the dot kernel for m_blocks row blocks (units)."""
         split = self.splits.get(m_blocks)
         if split is None:
-            splits = choose_splits(m_blocks * self.n_blocks, self.k_steps, self.device)
+            blocks = m_blocks * self.n_blocks
+            splits = choose_splits(blocks, self.k_steps, self.device, self.programs_per_core(blocks))
             split = self.splits[m_blocks] = (splits, self.k_steps // splits)
         return split
+
+    def programs_per_core(self, blocks: int) -> float | None:
+        """Split-K target of this launch's dot kernel over `blocks` blocks (choose_splits' per_core; None: default)."""
+        return None
 
     def replan(self) -> None:
         """Forget the call plans and the direct launches' argument templates, after a change to the fixed

@@ -9,7 +9,7 @@ from exl3local.kernels import bound
 from exl3local.kernels.bound import BLOCK_N, FUSED_VARYING, MAX_ROWS, ONE_LAUNCH_VARYING, FusedLaunch
 from exl3local.kernels.launcher import DirectLaunch, Workspace
 from exl3local.kernels.triton_fused import exl3_fused_kernel
-from exl3local.kernels.triton_gemv import FMA_ONE_ROW_BITS
+from exl3local.kernels.triton_gemv import FMA_ONE_ROW_BITS, SPLIT_TARGET_PROGRAMS_PER_CORE, choose_splits, compute_units
 from exl3local.kernels.triton_hadamard import rows_per_program
 
 # Fused layers wider than this many 128-column blocks keep a launch pair per part. H200: one grid lost at 272 blocks
@@ -24,6 +24,14 @@ GROUP_MAX_BLOCKS = 512
 # h200-s8c-ncu-qkvz-m1-cap64.log). Other rates unmeasured: uncapped. XPU has no such option: uncapped there. A grid
 # larger than one wave at 64 takes bound.WAVE_MAX_REGISTERS' cap instead (FusedLaunch.for_grid).
 GROUP_MAX_REGISTERS = {4: 64}
+# Programs per SM a GroupLaunch's split-K aims for on CUDA (triton_gemv.choose_splits' per_core) where the default
+# target's grid is more than one wave at ONE_WAVE_PROGRAMS a SM: twice the default, halving each program's K range.
+# H200, graph µs per step, default / doubled (h200-s18c, docs/PERF.md "Session 18"): 27B gate_up (1088 programs by
+# default, the only grid over a wave) 6759 / 6278 at M = 1, 6793 / 6313 at M = 4, step 15.83 / 15.32 ms (M = 1),
+# 15.96 / 15.47 (M = 4). Doubled below a wave (h200-s18b): 27B qkv_proj (896) 800 / 821 µs, 35B-A3B in_proj_qkvz
+# (768, one launch) 638 / 665 at M = 1, 871 / 1094 at M = 16: lost; 27B in_proj_qkvz (1024) 2620 / 2585, a 1.3 %
+# gain the rule leaves out. Arc unmeasured: XPU keeps its own target.
+GROUP_PROGRAMS_PER_CORE = 2 * SPLIT_TARGET_PROGRAMS_PER_CORE
 
 
 class GroupLaunch(FusedLaunch):
@@ -65,6 +73,14 @@ class GroupLaunch(FusedLaunch):
         grouped = dict(tiles_n=self.size_n // 16, parts_ptr=self.table, PARTS=self.count, suh_ptr=self.suh)
         self.fused_fixed = dict(self.fused_fixed, **grouped)
         self.tiled_fixed = dict(self.tiled_fixed, **grouped)
+
+    def programs_per_core(self, blocks: int) -> float | None:
+        """GROUP_PROGRAMS_PER_CORE on CUDA where the default target's grid is more than one wave (bound.for_grid's
+        test), else the default."""
+        if self.device.type != "cuda":
+            return None
+        wave = bound.ONE_WAVE_PROGRAMS * compute_units(self.device)
+        return GROUP_PROGRAMS_PER_CORE if blocks * choose_splits(blocks, self.k_steps, self.device) > wave else None
 
     def needs(self, rows: int) -> tuple[int, int, int]:
         if rows > MAX_ROWS:

@@ -62,3 +62,24 @@ def test_a_grid_of_more_than_one_wave_takes_the_register_capped_twin(kernel_devi
     assert twin.options == dict(launch.fused.options, maxnreg=cap) and twin.varying == launch.fused.varying
     assert launch.for_grid(launch.fused, (one_wave, 2, 1)) is twin
     assert launch.for_grid(launch.one, (one_wave + 1, 1, 1)).varying == launch.one.varying
+
+
+def test_a_grouped_grid_over_one_wave_takes_twice_the_split_target(monkeypatch):
+    """bound_group.GroupLaunch's split-K on CUDA (132 SMs, as the H200): 27B gate_up as one grid (272 blocks, 320 K
+    steps) takes 4 splits by the default target, 1088 programs, more than one wave (1056): twice the target, 8
+    splits. in_proj_qkvz (128 blocks: 1024 programs) and q/k/v (112: 896) keep the default; XPU keeps its own."""
+    from types import SimpleNamespace
+
+    from exl3local.kernels import bound, bound_group, triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "compute_units", lambda device: 132)
+    monkeypatch.setattr(bound_group, "compute_units", lambda device: 132)
+
+    def splits(blocks: int, k_steps: int, device: str = "cuda") -> int:
+        launch = SimpleNamespace(device=torch.device(device), k_steps=k_steps, n_blocks=blocks, splits={})
+        launch.programs_per_core = lambda b: bound_group.GroupLaunch.programs_per_core(launch, b)
+        return bound.FusedLaunch.split_for(launch, 1)[0]
+
+    assert splits(272, 320) == 8 and triton_gemv.choose_splits(272, 320, torch.device("cuda")) == 4
+    assert splits(128, 320) == 8 and splits(112, 320) == 8
+    assert splits(272, 320, "xpu") == triton_gemv.choose_splits(272, 320, torch.device("xpu"))
