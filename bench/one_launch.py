@@ -4,7 +4,7 @@ launches, host µs per step), plus how far the one-launch outputs are from the t
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
 bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
 in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
---variants S:L[:E[:D[:F[:R[:P[:X]]]]]],..: instead of two/units_two/one_all, the served code with
+--variants S:L[:E[:D[:F[:R[:P[:X[:G]]]]]]],..: instead of two/units_two/one_all, the served code with
 triton_gemv.MIN_STEPS_PER_SPLIT = S (each split-K split keeps at least S K steps), SL = L on every launch (split
 partials loaded per step of the finishing sum; 0: triton_fused.split_loads by each launch's split count, as served),
 the MoE projections' splits times 2**E (the linears' 2**D), F = 0 the decode matmul's weight operand in ring order
@@ -12,8 +12,10 @@ where the fragment order serves (1: as served, kernels/bound.fragment_order), R 
 every decode matmul launch (0: as built; -1: as built without the cap by grid size, bound.WAVE_MAX_REGISTERS) and
 P > 0 software-pipeline stages (Triton's cp.async of the next steps' trellis words into shared memory; 0: as built,
 one), X = 1 / -1 the words loaded one K step ahead in registers or not (triton_ring_dot.ring_dot PF, fragment order
-only; 0: as built), then the served values re-timed (again); and per projection group (every layer's calls of one name:
-in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of exllamav3, with the splits each chose.
+only; 0: as built), G > 0 programs per SM that the grouped launches' split-K aims for over a wave
+(bound_group.GROUP_PROGRAMS_PER_CORE; 0: as served), then the served values re-timed (again); and per projection
+group (every layer's calls of one name: in_proj_qkvz, ..., experts = the MoE call) graph µs of each variant and of
+exllamav3, with the splits each chose.
 
     python3 -P bench/one_launch.py --models 27b,35b-a3b --rows 1,4,16 --out $OUT     # on the H200
     python3 -P bench/one_launch.py --variants 1:1,1:4,8:1 --rows 4,1,16 --out $OUT    # split-K A/B + groups
@@ -95,7 +97,8 @@ def difference(layers, rows: int) -> dict:
 
 
 SHIFTS = [0, 0]  # the MoE and the dense launches' split scales (powers of two) configure() set last
-KNOBS = [1, 0, 0, 0]  # operand order (1: as served), register cap, pipeline stages, prefetch (0: as built), set last
+KNOBS = [1, 0, 0, 0, 0]  # operand order (1: as served), register cap, stages, prefetch, group split target, set last
+GROUP_PER_CORE = bound_group.GROUP_PROGRAMS_PER_CORE  # as served
 BUILT: dict[int, tuple] = {}  # id(launch) -> its decode matmul launches, FRAG, wave cap and PF as built
 
 
@@ -133,14 +136,15 @@ def operand(launch, frag: int, cap: int, stages: int = 0, pf: int = 0) -> None:
 
 
 def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: int = 0, frag: int = 1,
-              cap: int = 0, stages: int = 0, pf: int = 0) -> tuple[int, ...]:
+              cap: int = 0, stages: int = 0, pf: int = 0, group_per_core: float = 0) -> tuple[int, ...]:
     """Set triton_gemv.MIN_STEPS_PER_SPLIT and every launch's SL (partials loaded per step of the split-K sum; 0: by
     split count), scale the MoE projections' splits by 2**moe_shift and the linears' by 2**dense_shift (as far as
     the K steps divide), set the operand order, register cap and stages (operand()), and forget every launch's splits
-    and plans (chosen again on the next call, outside any timing: measure and graph_us warm up first). Returns the
-    values it replaced."""
+    and plans (chosen again on the next call, outside any timing: measure and graph_us warm up first), with the grouped
+    launches' split-K target group_per_core (0: as served). Returns the values it replaced."""
     old = triton_gemv.MIN_STEPS_PER_SPLIT, next(launches_of(layers)).loads or 0, *SHIFTS, *KNOBS
     triton_gemv.MIN_STEPS_PER_SPLIT = steps
+    bound_group.GROUP_PROGRAMS_PER_CORE = group_per_core or GROUP_PER_CORE
     for ops in layers:
         for kind, obj, _ in ops:
             shift = moe_shift if kind == "moe" else dense_shift
@@ -153,7 +157,7 @@ def configure(layers, steps: int, loads: int, moe_shift: int = 0, dense_shift: i
                 if shift:
                     launch.split_for = shifted_splits(launch, shift)
     SHIFTS[:] = moe_shift, dense_shift
-    KNOBS[:] = frag, cap, stages, pf
+    KNOBS[:] = frag, cap, stages, pf, group_per_core
     return old
 
 
@@ -188,9 +192,9 @@ def variants_ab(cfg, layers, rows: int, variants: list[tuple[int, ...]], exl3_ok
     """Whole steps and per-group graph µs at each (split floor, split loads[, MoE split shift[, dense split shift[,
     operand order[, register cap[, stages]]]]]) variant, the served one first and again last; exllamav3 per group."""
     ours, theirs, _ = step_fns(cfg, layers, rows)
-    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0, 0, 1, 0, 0, 0
+    served = triton_gemv.MIN_STEPS_PER_SPLIT, 0, 0, 0, 1, 0, 0, 0, 0
     row, groups, chosen = {}, {}, {}
-    names = ("m{}", "_l{}", "_e{:+d}", "_d{:+d}", "_f{}", "_r{:d}", "_s{}", "_p{}")
+    names = ("m{}", "_l{}", "_e{:+d}", "_d{:+d}", "_f{}", "_r{:d}", "_s{}", "_p{}", "_g{}")
     tags = [(f"served_m{served[0]}_l{served[1]}", served)] + [
         ("".join(name.format(value) for name, value in zip(names, v)), (*v, *served[len(v):])) for v in variants]
     for tag, knobs in tags + [("again", served)]:
@@ -242,10 +246,10 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
     parser.add_argument("--group-max-blocks", type=int, default=0, help="bound_group.GROUP_MAX_BLOCKS for the build "
                         "(0: as served; 512: 27B gate_up as one grid)")
-    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT[:DENSE[:FRAG[:CAP[:STAGES[:PF]]]]]],..:"
+    parser.add_argument("--variants", default="", help="STEPS:LOADS[:SHIFT[:DENSE[:FRAG[:CAP[:STAGES[:PF[:G]]]]]]],..:"
                         " split floors, split loads, MoE splits x 2**SHIFT, linears' splits x 2**DENSE, operand order "
                         "(0: ring, 1: served, 2/4: fragment order of that kWidth), register cap, pipeline stages, words "
-                        "one step ahead (1 on, -1 off), A/B against the served ones "
+                        "one step ahead (1 on, -1 off), grouped launches' programs per SM, A/B against the served "
                         "(8:4,8:0:0:0:0,8:0:0:0:1:0:2,8:0:0:0:1:0:0:-1)")
     args = parser.parse_args()
     exl3 = None if args.no_exl3 else Exl3Side()
@@ -262,7 +266,8 @@ def main() -> int:
                 ours, theirs, _ = step_fns(cfg, layers, rows)
                 if args.variants:
                     row = dict(model=name, rows=rows, **variants_ab(
-                        cfg, layers, rows, [tuple(map(int, v.split(":"))) for v in args.variants.split(",")],
+                        cfg, layers, rows, [tuple(float(k) if "." in k else int(k) for k in v.split(":"))
+                                            for v in args.variants.split(",")],
                         exl3 is not None and exl3.error is None))
                     if exl3 is not None and exl3.error is None:
                         row["exl3"] = measure(theirs, rows, True)
