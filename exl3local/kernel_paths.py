@@ -20,6 +20,6 @@ class KernelPath(enum.StrEnum):
     MOE_BATCHED = "moe_batched"  # per-expert loop over dense reconstructions (large batches)
     CPU_GEMV = "cpu_gemv"  # kernels/cpu: one pass over the trellis, decoded in vector registers (few rows)
     CPU_GEMV_INT8 = "cpu_gemv_int8"  # the same with int8 activations (mul1, opt-in: EXL3LOCAL_CPU_INT8; not exact)
-    CPU_GEMM = "cpu_gemm"  # kernels/cpu: decode a strip of columns once, then torch's fp32 BLAS (prefill)
+    CPU_GEMM = "cpu_gemm"  # kernels/cpu, fp32 (prefill): Ŵ decoded into the library's own GEMM, or per strip + BLAS
     CPU_GEMM_AMX = "cpu_gemm_amx"  # kernels/cpu: bf16 rows on AMX, W' decoded into three exact bf16 planes (prefill)
     REFERENCE = "reference"  # kernels/reference.py: the spec, slow, any device
