@@ -42,6 +42,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from isolated import cli, engine_socket, isolated_env  # noqa: E402
+from stall_sentinel import Stall, longest_overlap, queued_share, watch  # noqa: E402
 
 TTFT_BUDGET_MS = 5.0
 DECODE_BUDGET = 0.98
@@ -100,43 +101,6 @@ async def loop_lag(worst: list[float]) -> None:
         t = time.perf_counter()
         await asyncio.sleep(0.01)
         worst[0] = max(worst[0], time.perf_counter() - t - 0.01)
-
-
-# A process apart from everything measured that only sleeps 10 ms at a time and prints each oversleep with the part of
-# it spent runnable but not running (schedstat's run delay): when it wakes late too, the stall was not either path's,
-# and its run delay tells a scheduler that left it waiting from a machine that was paused.
-SENTINEL = """
-import time
-def queued():
-    try:
-        return int(open("/proc/self/schedstat").read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-while True:
-    t, q = time.monotonic(), queued()
-    time.sleep(0.01)
-    late = time.monotonic() - t - 0.01
-    if late > 0.02:
-        print(f"{t + 0.01:.4f} {late:.4f} {queued() - q:.4f}", flush=True)
-"""
-
-
-async def watch_machine(stalls: list[tuple[float, float, float]]) -> None:
-    """Run the sentinel until cancelled, collecting (start, end, run-queue wait) of each stall it saw (monotonic s)."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", SENTINEL, stdout=asyncio.subprocess.PIPE)
-    try:
-        async for line in proc.stdout:
-            start, late, queued = map(float, line.split())
-            stalls.append((start, start + late, queued))
-    finally:
-        proc.kill()
-        await proc.wait()
-
-
-def machine_stall_s(span: tuple[float, float], stalls: list[tuple[float, float, float]]) -> float:
-    """The longest sentinel stall overlapping `span`."""
-    return max((min(b, span[1]) - max(a, span[0]) for a, b, _ in stalls if a < span[1] and b > span[0]),
-               default=0.0)
 
 
 async def cell(client: httpx.AsyncClient, model: str, tokens: int, c: int, daemon: psutil.Process) -> dict:
@@ -198,11 +162,11 @@ def summary(cells: dict[str, list[dict]]) -> dict:
                      "client_lag_max_ms": 1000 * max(c["client_lag_s"] for c in rounds),
                      "rounds": len(rounds),
                      "client_lagged_rounds": sum(c["client_lag_s"] > STALL_S for c in rounds),
-                     "machine_stalled_rounds": sum(c["machine_stall_s"] > STALL_S for c in rounds)}
+                     "sentinel_stalled_rounds": sum(c["sentinel_stall_s"] > STALL_S for c in rounds)}
     out["ttft_diff_ms"], out["decode_ratio"] = paired(cells["front"], cells["direct"])
     # a diagnostic beside the verdict: the pairs that no sentinel stall touched (it stands outside both paths)
     calm = [(f, d) for f, d in zip(cells["front"], cells["direct"], strict=True)
-            if max(f["machine_stall_s"], d["machine_stall_s"]) <= STALL_S]
+            if max(f["sentinel_stall_s"], d["sentinel_stall_s"]) <= STALL_S]
     out["calm_pairs"] = len(calm)
     if len(calm) >= 5:
         out["calm_ttft_diff_ms"], out["calm_decode_ratio"] = paired([f for f, _ in calm], [d for _, d in calm])
@@ -229,8 +193,8 @@ async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int,
     direct = httpx.AsyncClient(base_url="http://engine", transport=httpx.AsyncHTTPTransport(uds=uds, limits=limits),
                                timeout=600, trust_env=False)
     results: dict = {}
-    stalls: list[tuple[float, float, float]] = []
-    watcher = asyncio.create_task(watch_machine(stalls))
+    stalls: list[Stall] = []
+    watcher = asyncio.create_task(watch(stalls))
     async with front, direct:
         for c in levels:  # warm both paths, the engine, and as many pooled connections as the level needs
             await cell(front, model, 8, c, daemon)
@@ -251,10 +215,9 @@ async def measure(endpoint: str, uds: str, model: str, rounds: int, tokens: int,
             await asyncio.sleep(0.05)  # the sentinel reports a stall when it wakes: let the last one in
             for path_cells in cells.values():
                 for done in path_cells:
-                    done["machine_stall_s"] = machine_stall_s(done["span"], stalls)
+                    done["sentinel_stall_s"] = longest_overlap(done["span"], stalls)
             results[c] = summary(cells)
-            long = [(b - a, q) for a, b, q in stalls if b - a > STALL_S]
-            results[c]["stall_queued_share"] = sum(q for _, q in long) / sum(d for d, _ in long) if long else None
+            results[c]["stall_queued_share"] = queued_share(stalls, STALL_S)
             stalls.clear()
     watcher.cancel()
     await asyncio.gather(watcher, return_exceptions=True)
@@ -298,7 +261,7 @@ def report(res: dict, head: str) -> None:
             f"; worst event-loop lag per round p50/max, rounds over {1000 * STALL_S:.0f} ms " + ", ".join(
             f"{name} {s[name]['client_lag_p50_ms']:.0f}/{s[name]['client_lag_max_ms']:.0f} ms, "
             f"{s[name]['client_lagged_rounds']} of {s[name]['rounds']}" for name in ("front", "direct")))
-        stalled = ", ".join(f"{name} {s[name]['machine_stalled_rounds']} of {s[name]['rounds']}"
+        stalled = ", ".join(f"{name} {s[name]['sentinel_stalled_rounds']} of {s[name]['rounds']}"
                             for name in ("front", "direct"))
         share = s["stall_queued_share"]
         queued = "" if share is None else f"; {100 * share:.0f} % of their time it was runnable, waiting for a CPU"
@@ -352,8 +315,8 @@ def main() -> None:
                     help="set in the engine's environment (repeatable), e.g. VLLM_CPU_OMP_THREADS_BIND=nobind")
     ap.add_argument("--client-nice", type=int, default=-10, help="the client's nice value once the engine is up "
                     "(default -10; needs CAP_SYS_NICE, else the client stays at its own): on a busy 2-core box it "
-                    "halved the client's run-queue wait (session 17: 0.7 vs 1.5 s per round); the machine's own "
-                    "stalls it cannot help, the sentinel counts those")
+                    "halved the client's run-queue wait (session 17: 0.7 vs 1.5 s per round); the long run-queue "
+                    "stalls the sentinel counts it did not prevent (session 18)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="exl3b-", dir="/tmp") as tmp:
         env = isolated_env(Path(tmp))
