@@ -1,6 +1,6 @@
 // The fp32 GEMM path on the AVX-512 tier (no AMX): Ŵ decoded tile by tile straight into the B panel of a
 // register-blocked fp32 GEMM, instead of a decoded strip in memory multiplied by torch's BLAS (MKL, which on Zen 4
-// ran this product at ~60-75 % of the core's fp32 peak, docs/PERF.md, CPU, session 18).
+// ran this product at 70-82 % of the core's fp32 peak, docs/PERF.md, CPU, session 18).
 //
 // One decoded tile column (16 output columns) is exactly a GEMM B panel: its k rows of 16 fp32 weights, one
 // vector per row, the layout the decode's permute network ends in. Each work item is one 128-column chunk (the
