@@ -72,6 +72,9 @@ class TrayManager(threading.Thread):
         self.opcode = self.d.intern_atom("_NET_SYSTEM_TRAY_OPCODE")
         self.window.set_selection_owner(self.d.intern_atom("_NET_SYSTEM_TRAY_S0"), X.CurrentTime)
         self.d.sync()
+        # pixel() and screenshot() run in the test's thread on a connection of their own: python-xlib's wait for a
+        # reply hung for good (session 18, get_image) while this thread read the same connection's events
+        self.reader = xdisplay.Display(display)
         self.docked: list[int] = []
         self.stopped = threading.Event()
 
@@ -96,20 +99,22 @@ class TrayManager(threading.Thread):
         """Colour at the centre of a slot, as the screen shows it."""
         from Xlib import X
 
-        raw = self.d.screen().root.get_image(SLOT_PX * slot + SLOT_PX // 2, SLOT_PX // 2, 1, 1, X.ZPixmap, 0xFFFFFFFF).data
+        root = self.reader.screen().root
+        raw = root.get_image(SLOT_PX * slot + SLOT_PX // 2, SLOT_PX // 2, 1, 1, X.ZPixmap, 0xFFFFFFFF).data
         return raw[2], raw[1], raw[0]  # BGRX
 
     def screenshot(self, path: str, width: int, height: int) -> None:
         from PIL import Image
         from Xlib import X
 
-        raw = self.d.screen().root.get_image(0, 0, width, height, X.ZPixmap, 0xFFFFFFFF).data
+        raw = self.reader.screen().root.get_image(0, 0, width, height, X.ZPixmap, 0xFFFFFFFF).data
         Image.frombytes("RGB", (width, height), bytes(raw), "raw", "BGRX").save(path)
 
     def close(self) -> None:
         self.stopped.set()
         self.join(timeout=5)
         self.d.close()
+        self.reader.close()
 
 
 @pytest.fixture
