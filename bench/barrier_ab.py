@@ -27,7 +27,7 @@ from step_timing import DEVICE, log  # noqa: E402
 from exl3local.kernels import bound  # noqa: E402
 
 SHAPES_27B = [(5120, 5120), (5120, 1024), (5120, 17408), (17408, 5120)]  # two launches (too much work for one)
-SHAPES_ONE = [(2048, 4096), (2048, 512), (4096, 2048)]  # one launch where bound.ONE_LAUNCH_MAX_WORK allows
+SHAPES_ONE = [(2048, 4096), (2048, 512), (4096, 2048)]  # one launch where fused_launch.ONE_LAUNCH_MAX_WORK allows
 BITS = (2, 4)
 ROWS = (1, 4, 16)
 

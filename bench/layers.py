@@ -177,7 +177,7 @@ CONFIGS = ((None, None, None), (None, 8, None), (2, 4, None), (2, 8, None), (Non
 def set_config(launch, kt: int, warps: int, maxnreg: int | None) -> None:
     """Rebind a FusedLaunch/GroupLaunch's decode matmul with KT tile rows per step, `warps` warps and a register
     cap (CUDA's maxnreg; None: the compiler's choice)."""
-    from exl3local.kernels.bound import FUSED_VARYING
+    from exl3local.kernels.fused_launch import FUSED_VARYING
     from exl3local.kernels.launcher import DirectLaunch
     from exl3local.kernels.triton_fused import exl3_fused_kernel
 
@@ -226,7 +226,7 @@ def bench_config(rows_list, bits: float, codebook: str, deadline: float = 0) -> 
 def bench_groups(rows_list, bits: float, codebook: str) -> list[dict]:
     """Each distinct fused linear of both models, one GroupLaunch (2 launches) vs a FusedLaunch per part
     (2 per part, the arrangement before GroupLaunch), same tensors, µs per call eager and graph."""
-    from exl3local.kernels.bound import FusedLaunch
+    from exl3local.kernels.fused_launch import FusedLaunch
     from exl3local.kernels.bound_group import GroupLaunch
 
     gen = torch.Generator(device=DEVICE[0]).manual_seed(3)

@@ -1,15 +1,16 @@
-"""Decode rows (M ≤ 16) in one launch per projection group vs two (kernels/bound.ONE_LAUNCH_MAX_ROWS), and
+"""Decode rows (M ≤ 16) in one launch per projection group vs two (fused_launch.ONE_LAUNCH_MAX_ROWS), and
 exllamav3 1.6.5, in one process: whole model steps as bench/model_step.py builds and times them (eager, graph,
 launches, host µs per step), plus how far the one-launch outputs are from the two-launch ones per linear group.
 Variants: two (two launches everywhere), one (the default: one launch where a group's work is at most
-bound.ONE_LAUNCH_MAX_WORK, and MoE units projections up to bound.ONE_LAUNCH_MAX_UNITS units), units_two (MoE units
-in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the run's drift).
+fused_launch.ONE_LAUNCH_MAX_WORK, and MoE units projections up to fused_launch.ONE_LAUNCH_MAX_UNITS units), units_two
+(MoE units in two launches, dense as served), one_all (one launch for every group), two_again (two, re-timed: the
+run's drift).
 --variants S:L[:E[:D[:F[:R[:P[:X[:G]]]]]]],..: instead of two/units_two/one_all, the served code with
 triton_gemv.MIN_STEPS_PER_SPLIT = S (each split-K split keeps at least S K steps), SL = L on every launch (split
 partials loaded per step of the finishing sum; 0: triton_fused.split_loads by each launch's split count, as served),
 the MoE projections' splits times 2**E (the linears' 2**D), F = 0 the decode matmul's weight operand in ring order
-where the fragment order serves (1: as served, kernels/bound.fragment_order), R > 0 a register cap (CUDA maxnreg) on
-every decode matmul launch (0: as built; -1: as built without the cap by grid size, bound.WAVE_MAX_REGISTERS) and
+where the fragment order serves (1: as served, fused_launch.fragment_order), R > 0 a register cap (CUDA maxnreg) on
+every decode matmul launch (0: as built; -1: as built without the cap by grid size, fused_launch.WAVE_MAX_REGISTERS) and
 P > 0 software-pipeline stages (Triton's cp.async of the next steps' trellis words into shared memory; 0: as built,
 one), X = 1 / -1 the words loaded one K step ahead in registers or not (triton_ring_dot.ring_dot PF, fragment order
 only; 0: as built), G > 0 programs per SM that the grouped launches' split-K aims for over a wave
@@ -40,7 +41,7 @@ from model_build import build, layer_ops  # noqa: E402
 from model_step import patched_step, runner, step_fns  # noqa: E402
 from step_timing import graph_us, log, measure  # noqa: E402
 
-from exl3local.kernels import bound, bound_group, triton_gemv  # noqa: E402
+from exl3local.kernels import bound_group, fused_launch, triton_gemv  # noqa: E402
 from exl3local.kernels.launcher import DirectLaunch  # noqa: E402
 from exl3local.kernels.triton_fused import exl3_fused_kernel  # noqa: E402
 
@@ -49,25 +50,26 @@ def two_launch(step):
     """step with every dense and MoE units projection in two launches (the input transform, then the matmul): the
     path before."""
     def swap():
-        old = bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS
-        bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS = 0, 0
-        return lambda: (setattr(bound, "ONE_LAUNCH_MAX_ROWS", old[0]), setattr(bound, "ONE_LAUNCH_MAX_UNITS", old[1]))
+        old = fused_launch.ONE_LAUNCH_MAX_ROWS, fused_launch.ONE_LAUNCH_MAX_UNITS
+        fused_launch.ONE_LAUNCH_MAX_ROWS, fused_launch.ONE_LAUNCH_MAX_UNITS = 0, 0
+        return lambda: (setattr(fused_launch, "ONE_LAUNCH_MAX_ROWS", old[0]),
+                        setattr(fused_launch, "ONE_LAUNCH_MAX_UNITS", old[1]))
     return patched_step(step, swap)
 
 
 def units_two(step):
     """step with the MoE units projections in two launches, the dense ones as served (session 11's s11c code)."""
     def swap():
-        old, bound.ONE_LAUNCH_MAX_UNITS = bound.ONE_LAUNCH_MAX_UNITS, 0
-        return lambda: setattr(bound, "ONE_LAUNCH_MAX_UNITS", old)
+        old, fused_launch.ONE_LAUNCH_MAX_UNITS = fused_launch.ONE_LAUNCH_MAX_UNITS, 0
+        return lambda: setattr(fused_launch, "ONE_LAUNCH_MAX_UNITS", old)
     return patched_step(step, swap)
 
 
 def one_all(step):
     """step with one launch for every dense projection group, whatever its size."""
     def swap():
-        old, bound.ONE_LAUNCH_MAX_WORK = bound.ONE_LAUNCH_MAX_WORK, float("inf")
-        return lambda: setattr(bound, "ONE_LAUNCH_MAX_WORK", old)
+        old, fused_launch.ONE_LAUNCH_MAX_WORK = fused_launch.ONE_LAUNCH_MAX_WORK, float("inf")
+        return lambda: setattr(fused_launch, "ONE_LAUNCH_MAX_WORK", old)
     return patched_step(step, swap)
 
 
@@ -88,10 +90,10 @@ def difference(layers, rows: int) -> dict:
                 run = lambda obj=obj, x=x, w=w, ids=ids: obj.run(x, w, ids)  # noqa: E731
                 name = "moe"
             one = run().double()
-            old = bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS
-            bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS = 0, 0
+            old = fused_launch.ONE_LAUNCH_MAX_ROWS, fused_launch.ONE_LAUNCH_MAX_UNITS
+            fused_launch.ONE_LAUNCH_MAX_ROWS, fused_launch.ONE_LAUNCH_MAX_UNITS = 0, 0
             two = run().double()
-            bound.ONE_LAUNCH_MAX_ROWS, bound.ONE_LAUNCH_MAX_UNITS = old
+            fused_launch.ONE_LAUNCH_MAX_ROWS, fused_launch.ONE_LAUNCH_MAX_UNITS = old
             out[name] = [round(((one - two).norm() / two.norm()).item(), 9), bool(torch.equal(one, two))]
     return out
 
@@ -120,8 +122,8 @@ def operand(launch, frag: int, cap: int, stages: int = 0, pf: int = 0) -> None:
     loaded one K step ahead (triton_ring_dot.ring_dot's PF, fragment order only) as built if pf is 0, on if 1, off if
     -1, under a register
     cap of `cap` (CUDA maxnreg) on every grid if cap > 0, as built if 0, as built but with no cap by grid size
-    (bound.WAVE_MAX_REGISTERS) if -1; compiled with `stages` software-pipeline stages if > 0 (Triton's cp.async of
-    the next steps' loads into shared memory; as built, 1, if 0)."""
+    (fused_launch.WAVE_MAX_REGISTERS) if -1; compiled with `stages` software-pipeline stages if > 0 (Triton's cp.async
+    of the next steps' loads into shared memory; as built, 1, if 0)."""
     fused, one, frag_built, wave_cap, pf_built = BUILT.setdefault(id(launch), (
         launch.fused, launch.one, launch.fused_fixed["FRAG"], launch.wave_cap, launch.fused_fixed["PF"]))
     launch.fused_fixed["FRAG"] = (frag if frag > 1 else frag_built) if frag_built and frag else 0
@@ -280,7 +282,7 @@ def main() -> int:
                 row["one"] = measure(ours, rows, True)
                 if "experts" in cfg:
                     row["units_two"] = measure(units_two(ours), rows, True)
-                if any(launch.n_blocks * launch.size_k > bound.ONE_LAUNCH_MAX_WORK for ops in layers
+                if any(launch.n_blocks * launch.size_k > fused_launch.ONE_LAUNCH_MAX_WORK for ops in layers
                        for kind, obj, _ in ops if kind == "linear" for launch, _, _ in obj.ours.launches):
                     row["one_all"] = measure(one_all(ours), rows, True)  # else the same as "one"
                 row["two_again"] = measure(two_launch(ours), rows, True)

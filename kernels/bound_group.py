@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from exl3local.kernels import bound
-from exl3local.kernels.bound import BLOCK_N, FUSED_VARYING, MAX_ROWS, ONE_LAUNCH_VARYING, FusedLaunch
+from exl3local.kernels import fused_launch
+from exl3local.kernels.fused_launch import BLOCK_N, FUSED_VARYING, MAX_ROWS, ONE_LAUNCH_VARYING, FusedLaunch
 from exl3local.kernels.launcher import DirectLaunch, Workspace
 from exl3local.kernels.triton_fused import exl3_fused_kernel
 from exl3local.kernels.triton_gemv import FMA_ONE_ROW_BITS, SPLIT_TARGET_PROGRAMS_PER_CORE, choose_splits, compute_units
@@ -22,7 +22,7 @@ GROUP_MAX_BLOCKS = 512
 # (43.75 % theoretical occupancy, h200-s7-ncu-qkvz-m1-flat.log); capped at 64 (no spills, 50 %), 27B in_proj_qkvz
 # ran 79 -> 53 µs in ncu and 74 -> 52 µs graph at M = 1, q/k/v 48 -> 46 µs (docs/dev/perf/h200-s8*-layers-config.log,
 # h200-s8c-ncu-qkvz-m1-cap64.log). Other rates unmeasured: uncapped. XPU has no such option: uncapped there. A grid
-# larger than one wave at 64 takes bound.WAVE_MAX_REGISTERS' cap instead (FusedLaunch.for_grid).
+# larger than one wave at 64 takes fused_launch.WAVE_MAX_REGISTERS' cap instead (FusedLaunch.for_grid).
 GROUP_MAX_REGISTERS = {4: 64}
 # Programs per SM a GroupLaunch's split-K aims for on CUDA (triton_gemv.choose_splits' per_core) where the default
 # target's grid is more than one wave at ONE_WAVE_PROGRAMS a SM: twice the default, halving each program's K range.
@@ -75,11 +75,11 @@ class GroupLaunch(FusedLaunch):
         self.tiled_fixed = dict(self.tiled_fixed, **grouped)
 
     def programs_per_core(self, blocks: int) -> float | None:
-        """GROUP_PROGRAMS_PER_CORE on CUDA where the default target's grid is more than one wave (bound.for_grid's
+        """GROUP_PROGRAMS_PER_CORE on CUDA where the default target's grid is more than one wave (FusedLaunch.for_grid's
         test), else the default."""
         if self.device.type != "cuda":
             return None
-        wave = bound.ONE_WAVE_PROGRAMS * compute_units(self.device)
+        wave = fused_launch.ONE_WAVE_PROGRAMS * compute_units(self.device)
         return GROUP_PROGRAMS_PER_CORE if blocks * choose_splits(blocks, self.k_steps, self.device) > wave else None
 
     def needs(self, rows: int) -> tuple[int, int, int]:
@@ -118,8 +118,8 @@ class GroupLaunch(FusedLaunch):
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         key = (rows, x.dtype, y.dtype, x_ptr % 16 == 0, y_ptr % 16 == 0, 1,
                self.size_k if k_valid is None else k_valid, 0, None, False, False,
-               self.one_launch_on and rows <= min(bound.ONE_LAUNCH_MAX_ROWS, MAX_ROWS)
-               and self.n_blocks * self.size_k <= bound.ONE_LAUNCH_MAX_WORK)
+               self.one_launch_on and rows <= min(fused_launch.ONE_LAUNCH_MAX_ROWS, MAX_ROWS)
+               and self.n_blocks * self.size_k <= fused_launch.ONE_LAUNCH_MAX_WORK)
         input_grid, needs, input_fixed, matmul, grid, fixed = self.plans.get(key) or self._plan(key)
         stream = self.stream()
         ws = Workspace._live.get((self.device, stream))

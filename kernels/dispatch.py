@@ -129,8 +129,8 @@ class TorchReferenceKernel(Exl3Kernel):
 GEMV_MAX_ROWS = 16  # one 16-row dot tile: triton_fused, one launch per projection
 # From 17 rows the dense W_r once per call + vendor matmul (triton_gemm) serves by default: row tiles decoded on
 # chip (gemv with a 32/64-row tile at 4 warps) lost to it at every M >= 32 measured (5120x17408: 274 vs 209 µs at
-# M=32, 492 vs 207 at 64, 841 vs 208 at 128; docs/perf/h200-v3-bench.log). The tiled path (bound.py: 64-row tiles
-# at 8 warps, split-K for occupancy) serves up to EXL3LOCAL_TILED_MAX_ROWS rows when set; off, because its whole
+# M=32, 492 vs 207 at 64, 841 vs 208 at 128; docs/perf/h200-v3-bench.log). The tiled path (fused_launch.py: 64-row
+# tiles at 8 warps, split-K for occupancy) serves up to EXL3LOCAL_TILED_MAX_ROWS rows when set; off, because its whole
 # steps lost or tied at M = 32, 64, 128 on both models (27B M = 64: 72.0 vs 59.8 ms graph; docs/PERF.md).
 
 
@@ -145,7 +145,7 @@ class TritonLinearKernel(Exl3Kernel):
         # apply()'s tensors bound once per distinct set (a layer passes the same views every call); the
         # launch holds the tensors, so a cached address cannot be reused by another tensor.
         self.bound: dict[tuple, object] = {}
-        from exl3local.kernels.bound import tiled_max_rows
+        from exl3local.kernels.fused_launch import tiled_max_rows
 
         self.max_rows = tiled_max_rows()  # the bound launches' last row count (GEMV_MAX_ROWS: tiled path off)
 
@@ -189,7 +189,7 @@ class TritonLinearKernel(Exl3Kernel):
 
     def launch_for(self, trellis, suh, svh, bias):
         """The fused launch bound to these tensors (made on first use)."""
-        from exl3local.kernels.bound import FusedLaunch
+        from exl3local.kernels.fused_launch import FusedLaunch
 
         key = tuple((t.data_ptr(), t.shape, t.dtype) if t is not None else None for t in (trellis, suh, svh, bias))
         launch = self.bound.get(key)

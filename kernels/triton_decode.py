@@ -264,9 +264,9 @@ def fragment_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr,
     own k order; 4: rows in the ring's k order (4(t&3) + 2·j1 + j0, u through ring_order_rows), the order of an operand
     whose lanes hold 4 consecutive k (FRAGMENT_KWIDTH). Columns in fragment order (fragment_cols). W0..W2: the words
     as window_words loaded them (else loaded here). H200 (Triton 3.6), per 27B/35B-A3B group: 1-3 % faster than the
-    ring order but 27B gate_up (3-4 % slower until its grid fits one wave: bound.WAVE_MAX_REGISTERS; docs/PERF.md
+    ring order but 27B gate_up (3-4 % slower until its grid fits one wave: fused_launch.WAVE_MAX_REGISTERS; docs/PERF.md
     "Session 16"). Intel's backend stages it through shared local memory like the ring order, less vectorized: not
-    served on XPU (bound.fragment_order)."""
+    served on XPU (fused_launch.fragment_order)."""
     tl.static_assert(BNT == 8)
     x = tl.reshape(_ring_positions(row_base, tile_off, s, KT, BNT, KA, HALF, W32, G, CODEBOOK, True, W0, W1, W2),
                    (KT, 2, 4, 8, 4, 2, 2, 2))

@@ -16,7 +16,7 @@ split sums in split order, fp32 butterfly; only the butterfly's addition order d
 
 Split-K handshake (CUTLASS-style semaphore): partial stores, CTA barrier, one gpu-scope acq_rel atomic on
 the block's counter; the last program reads the partials from L2 (.cg) and resets the counter to 0 for the
-next launch. Counters and partials live in a per-stream workspace (kernels/bound.py) that starts zeroed.
+next launch. Counters and partials live in a per-stream workspace (kernels/launcher.py) that starts zeroed.
 Every barrier that hands global memory (u, partials) between a program's threads is triton_sync's: under Intel's
 backend tl.debug_barrier() alone orders local memory only.
 
@@ -24,7 +24,7 @@ Measured and dropped (docs/PERF.md v4a): the input transform inside this kernel 
 gathered slice of the ±1 matrix per K step, recomputed by every column block) made it 1-wide launch but
 ran 4-10x slower (5120x17408 mul1 K4, 16 rows: 618 vs 105 µs). IN_X differs: u is computed once per program
 (not per K step) by an fp32 butterfly (no ±1 matrix loaded), stored to the workspace and read back by the K loop.
-It serves small groups only (kernels/bound.ONE_LAUNCH_MAX_WORK): on the H200 it won every 35B-A3B decode step and lost
+It serves small groups only (fused_launch.ONE_LAUNCH_MAX_WORK): on the H200 it won every 35B-A3B decode step and lost
 every 27B one (docs/PERF.md "Session 11"). Measured and dropped there: the transform a Hadamard block at a time inside
 the K loop (a branch and a barrier per block in the loop): 27B 1.6-2.2x slower per step.
 """
@@ -171,8 +171,8 @@ def exl3_fused_kernel(u_ptr, w_ptr, svh_ptr, bias_ptr, ids_ptr, y_ptr, z_ptr, cn
     FRAG (4 and 8 bits): the decoded operand in the matrix unit's fragment order (triton_decode.fragment_operand), no
     shared-memory round trip of the weights; the columns come out in fragment order (finish_block maps them).
     FRAG = 4: the rows in the k order of a dot operand of kWidth 4 (what Triton 3.6 gives an fp16 mma v2 operand), else
-    of kWidth 2 (Triton 3.8, 3.9): bound.fragment_order. PF (with FRAG): the K loop loads each step's words one step
-    ahead (triton_ring_dot.ring_dot).
+    of kWidth 2 (Triton 3.8, 3.9): fused_launch.fragment_order. PF (with FRAG): the K loop loads each step's words one
+    step ahead (triton_ring_dot.ring_dot).
 
     IN_X (dense rows and MoE units, not GROUPED): the program computes u for its own rows and K range from x (k_valid
     features, rows stride_xm apart; suh_ptr the part's suh, with PARTS the parts' stacked suh, with HAS_IDS the

@@ -57,7 +57,7 @@ RING_DOT_CONFIGS = {1: (8, 1, 4), 2: (8, 1, 4), 4: (8, 2, 4), 8: (8, 4, 4)}
 # At one row the FMA ring kernel (one product per weight, no operand shuffle) beat the dot kernel except at
 # 2 and 4 bits (same log: e.g. 5120x17408 K8 108 vs 153 µs, K4 105 vs 67 µs).
 DOT_ONE_ROW_BITS = (2, 4)
-# With the output transform as its last-split epilogue (kernels/bound.py) it still wins at 8 bits only
+# With the output transform as its last-split epilogue (kernels/fused_launch.py) it still wins at 8 bits only
 # (5120x17408 M=1: 89 µs vs 141 for the dot kernel); at 3 and 6 bits its programs span 2-4 Hadamard blocks
 # and the last split's serial tail made it lose (5120x5120 K3 97 vs 27 µs; docs/PERF.md v4b).
 FMA_ONE_ROW_BITS = (8,)
@@ -68,7 +68,7 @@ def ring_dot_config(bits: float) -> tuple[int, int, int]:
     return RING_DOT_CONFIGS[lanes_per_superlane(bits)]
 
 
-# The tiled path (more than 16 rows, kernels/bound.py; off by default: it lost to the reconstruct path at model
+# The tiled path (more than 16 rows, kernels/fused_launch.py; off by default: it lost to the reconstruct path at model
 # level on the H200, docs/PERF.md "Session 7"): the same fused kernel with 64-row dot tiles, so each weight is decoded
 # once per 64 rows instead of being rebuilt in fp16 per call. 8 warps: at 64 rows 4 warps needed 196 registers per
 # thread (local sm_90 compile: 2 programs, 8 warps per SM), 8 warps 114 (K4), 128 (K2/3/6/8). KT = G tile rows per
@@ -279,7 +279,7 @@ def ring_partials(u: torch.Tensor, trellis: torch.Tensor, bits: float, codebook:
 def gemv(x2d: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bits: float,
          codebook: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x·W (+ bias) in three launches (v3): input transform, ring-order matmul (Ŵ decoded in registers,
-    never written), output transform. The dispatch uses the two-launch path of kernels/bound.py instead;
+    never written), output transform. The dispatch uses the two-launch path of kernels/fused_launch.py instead;
     this stays as bench/kernels.py's same-run baseline and for its 32/64-row tile comparison with the
     reconstruct path. One row at rates other than DOT_ONE_ROW_BITS runs the FMA ring kernel."""
     rows = x2d.shape[0]

@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from exl3local.kernels.bound import DirectLaunch, FusedLaunch, bind_moe
+from exl3local.kernels.bound import bind_moe
+from exl3local.kernels.fused_launch import FusedLaunch
+from exl3local.kernels.launcher import DirectLaunch
 from exl3local.kernels.triton_sync import cta_barrier
 
 COMBINE_BLOCK = 512  # output columns per combine program

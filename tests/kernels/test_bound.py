@@ -218,10 +218,10 @@ def test_bound_layer_reads_its_device_tables_where_a_reload_rewrites_them(monkey
     same bound layer must then answer as before, and must not have answered from a copy while they were lost.
     At 2 rows the input-transform launch (which reads the ±1 table; MoE units keep it): the one-launch path reads
     no table."""
-    from exl3local.kernels import bound, hadamard, triton_hadamard
+    from exl3local.kernels import fused_launch, hadamard, triton_hadamard
     from exl3local.plugin import reload
 
-    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_ROWS", 0)
+    monkeypatch.setattr(fused_launch, "ONE_LAUNCH_MAX_ROWS", 0)
 
     trellis, suh, svh = make_layer(128, 128, 4, "mul1", seed=21)
     kernel = prepare(KernelSpec(128, 128, 4, "mul1", torch.float16), kernel_device, "triton")
@@ -243,16 +243,16 @@ def test_moe_units_are_one_launch_with_the_input_transform_in_the_matmul(monkeyp
     """An MoE projection over one (token, expert) unit per program computes each unit's u in the matmul program (its
     token's x row, its expert's suh; split-K over 64-feature ranges): no input-transform launch, the two-launch result
     within fp32 noise."""
-    from exl3local.kernels import bound
+    from exl3local.kernels import fused_launch
 
     trellis, suh, svh = make_layer(256, 128, 4, "mul1", seed=17, experts=3)
     proj = bind_moe(trellis, suh, svh, 4, "mul1")
     proj.splits[4] = (4, proj.k_steps // 4)  # 4 units
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(17)).to(kernel_device)
     ids = torch.tensor([[2, 0], [1, 2]], device=kernel_device)
-    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_UNITS", 0)
+    monkeypatch.setattr(fused_launch, "ONE_LAUNCH_MAX_UNITS", 0)
     before = moe_units(proj, x, ids)
-    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_UNITS", 4)
+    monkeypatch.setattr(fused_launch, "ONE_LAUNCH_MAX_UNITS", 4)
     monkeypatch.setattr(proj, "input", lambda *args: pytest.fail("the input transform was launched"))
     assert relative_error(moe_units(proj, x, ids), before) < FP32_NOISE
     assert counters_clear()

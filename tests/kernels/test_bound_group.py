@@ -145,7 +145,7 @@ def test_decode_rows_are_one_launch_with_the_input_transform_in_the_matmul(monke
     no input-transform launch, the same result as the two-launch path within fp32 noise. Four splits over k = 256
     give 64-feature K ranges (a part of a Hadamard block each); grouped parts each use their own suh; padding and
     bias as masks."""
-    from exl3local.kernels import bound
+    from exl3local.kernels import fused_launch
     from exl3local.kernels.bound_group import GroupLaunch
 
     in_features, k, widths, outs = 200, 256, (128, 128) if grouped else (128,), (128, 100) if grouped else (100,)
@@ -157,9 +157,9 @@ def test_decode_rows_are_one_launch_with_the_input_transform_in_the_matmul(monke
     (launch, _, _), = layer.launches
     assert isinstance(launch, GroupLaunch) == grouped
     launch.splits[1] = (4, launch.k_steps // 4)
-    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_ROWS", 0)  # the two-launch path
+    monkeypatch.setattr(fused_launch, "ONE_LAUNCH_MAX_ROWS", 0)  # the two-launch path
     before = layer(x)
-    monkeypatch.setattr(bound, "ONE_LAUNCH_MAX_ROWS", bound.MAX_ROWS)
+    monkeypatch.setattr(fused_launch, "ONE_LAUNCH_MAX_ROWS", fused_launch.MAX_ROWS)
     monkeypatch.setattr(launch, "input", lambda *args: pytest.fail("the input transform was launched"))
     one = layer(x)
     assert relative_error(one, before) < FP32_NOISE

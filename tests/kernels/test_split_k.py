@@ -46,17 +46,18 @@ def test_launches_of_many_splits_load_eight_partials_at_a_time():
                     reason="binding a launch needs a GPU or TRITON_INTERPRET=1")
 def test_a_grid_of_more_than_one_wave_takes_the_register_capped_twin(kernel_device):
     """On CUDA a 4-bit decode matmul whose grid is more than ONE_WAVE_PROGRAMS programs per compute unit launches
-    under WAVE_MAX_REGISTERS (bound.FusedLaunch.for_grid); one twin per launch, its other options kept; elsewhere
+    under WAVE_MAX_REGISTERS (fused_launch.FusedLaunch.for_grid); one twin per launch, its other options kept; elsewhere
     no cap."""
-    from exl3local.kernels import bound
+    from exl3local.kernels import fused_launch
     from exl3local.kernels.triton_gemv import compute_units
 
     scale = torch.ones(128, device=kernel_device).half()
-    launch = bound.FusedLaunch(torch.zeros(8, 8, 32, dtype=torch.int16, device=kernel_device), scale, scale, 4, "mul1")
-    cap = bound.WAVE_MAX_REGISTERS[4]
+    trellis = torch.zeros(8, 8, 32, dtype=torch.int16, device=kernel_device)
+    launch = fused_launch.FusedLaunch(trellis, scale, scale, 4, "mul1")
+    cap = fused_launch.WAVE_MAX_REGISTERS[4]
     assert launch.wave_cap == (cap if launch.device.type == "cuda" else None)
     launch.wave_cap = cap
-    one_wave = bound.ONE_WAVE_PROGRAMS * compute_units(launch.device)
+    one_wave = fused_launch.ONE_WAVE_PROGRAMS * compute_units(launch.device)
     assert launch.for_grid(launch.fused, (one_wave, 1, 1)) is launch.fused
     twin = launch.for_grid(launch.fused, (1, one_wave + 1, 1))
     assert twin.options == dict(launch.fused.options, maxnreg=cap) and twin.varying == launch.fused.varying
@@ -70,7 +71,7 @@ def test_a_grouped_grid_over_one_wave_takes_twice_the_split_target(monkeypatch):
     splits. in_proj_qkvz (128 blocks: 1024 programs) and q/k/v (112: 896) keep the default; XPU keeps its own."""
     from types import SimpleNamespace
 
-    from exl3local.kernels import bound, bound_group, triton_gemv
+    from exl3local.kernels import bound_group, fused_launch, triton_gemv
 
     monkeypatch.setattr(triton_gemv, "compute_units", lambda device: 132)
     monkeypatch.setattr(bound_group, "compute_units", lambda device: 132)
@@ -78,7 +79,7 @@ def test_a_grouped_grid_over_one_wave_takes_twice_the_split_target(monkeypatch):
     def splits(blocks: int, k_steps: int, device: str = "cuda") -> int:
         launch = SimpleNamespace(device=torch.device(device), k_steps=k_steps, n_blocks=blocks, splits={})
         launch.programs_per_core = lambda b: bound_group.GroupLaunch.programs_per_core(launch, b)
-        return bound.FusedLaunch.split_for(launch, 1)[0]
+        return fused_launch.FusedLaunch.split_for(launch, 1)[0]
 
     assert splits(272, 320) == 8 and triton_gemv.choose_splits(272, 320, torch.device("cuda")) == 4
     assert splits(128, 320) == 8 and splits(112, 320) == 8
