@@ -145,16 +145,18 @@ void exl3_cpu_decode(const int16_t* trellis, int tiles_k, int tiles_n, int bits2
     decode_range(codebook, rate_for(bits2), lut, trellis, tiles_k, tiles_n, tn0, tn1, out, threads);
 }
 
-// The fp32 GEMM path on the AVX-512 tier (exl3_cpu_gemm.h): y (m, n) fp32 = H(u · Ŵ) ⊙ svh, u (m, k) the input
-// transform's rows; a: scratch for u packed, (m + 15)·k floats. Other tiers multiply a decoded strip by BLAS.
-void exl3_cpu_gemm_f32(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const float* u,
-                       float* a, const float* svh, float* y, int m, int threads) {
+// The fp32 GEMM path on the AVX-512 tier (exl3_cpu_gemm.h): out (m rows, ldo elements apart) = H(u · Ŵ) ⊙ svh
+// (+ bias, fp32 or null), u = H(x ⊙ suh); x (m, k) and out in x_el / out_el (fp32, bf16, fp16: Element); a: scratch
+// for u packed, (m + 15)·k floats. Other tiers multiply a decoded strip by BLAS.
+void exl3_cpu_gemm_f32(const int16_t* trellis, int tiles_k, int tiles_n, int bits2, int codebook, const void* x,
+                       int x_el, const float* suh, const float* svh, const float* bias, void* out, int out_el, int ldo,
+                       float* a, int m, int threads) {
 #if defined(EXL3_AVX512)
-    pack_u(u, m, tiles_k * 16, a, threads);
-    gemm_f32(codebook, rate_for(bits2), trellis, tiles_k, tiles_n, a, svh, y, m, threads);
+    pack_x(x, x_el, suh, m, tiles_k * 16, a, threads);
+    gemm_f32(codebook, rate_for(bits2), trellis, tiles_k, tiles_n, a, svh, bias, out, out_el, ldo, m, threads);
 #else
-    (void)trellis, (void)tiles_k, (void)tiles_n, (void)bits2, (void)codebook, (void)u, (void)a, (void)svh, (void)y,
-        (void)m, (void)threads;
+    (void)trellis, (void)tiles_k, (void)tiles_n, (void)bits2, (void)codebook, (void)x, (void)x_el, (void)suh,
+        (void)svh, (void)bias, (void)out, (void)out_el, (void)ldo, (void)a, (void)m, (void)threads;
     __builtin_trap();  // ops calls it on the avx512 tier only
 #endif
 }

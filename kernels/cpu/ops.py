@@ -87,6 +87,8 @@ def _drop_workspaces() -> None:
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
+# The own GEMM's element types (exl3_cpu_gemm.h, Element): it reads x and writes the output in these directly.
+ELEMENT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _SIGNATURES = {
     "exl3_cpu_tier": ((), _I),
     "exl3_cpu_gemv": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I), None),
@@ -96,7 +98,7 @@ _SIGNATURES = {
     "exl3_cpu_decode": ((_P, _I, _I, _I, _I, _P, _I, _I, _P, _I), None),
     "exl3_cpu_output_transform": ((_P, _P, _P, _I, _I, _I), None),
     "exl3_cpu_input_transform": ((_P, _P, _P, _I, _I, _I), None),
-    "exl3_cpu_gemm_f32": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I), None),
+    "exl3_cpu_gemm_f32": ((_P, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I), None),
     "exl3_cpu_amx": ((), _I),
     "exl3_cpu_fp16": ((_I,), _I),
     "exl3_cpu_gemm_amx": ((_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I), None),
@@ -241,28 +243,29 @@ class CpuLinear:
         return y if out_dtype == torch.float32 else y.to(out_dtype)
 
     def _gemm(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
-        """Up to GEMM_ROWS rows per pass: u = H(x ⊙ suh) in the workspace, then the library's own GEMM (own_gemm: u
-        packed, Ŵ decoded into its panels, the output transform inside) or per strip of columns Ŵ decoded once, one
-        BLAS matmul and the output transform; the result cast into the output. Every fp32 intermediate lives in this
-        thread's workspace, so a prefill leaves no large freed buffers behind (the heap would keep them)."""
+        """Up to GEMM_ROWS rows per pass: the library's own GEMM (own_gemm: x in, the output out, u packed in the
+        workspace) or u = H(x ⊙ suh) in the workspace, then per strip of columns Ŵ decoded once, one BLAS matmul and
+        the output transform, the result cast into the output. Every fp32 intermediate lives in this thread's
+        workspace, so a prefill leaves no large freed buffers behind (the heap would keep them)."""
         if self.amx and self.amx_rows(x.dtype, x.shape[0]):
             return self._gemm_amx(x, out_dtype, bias, threads)
         k, n = self.size_k, self.size_n
-        out = torch.empty(x.shape[0], n, dtype=out_dtype)
-        bias = bias.float() if bias is not None else None
-        if self.own_gemm:
-            for r0 in range(0, x.shape[0], GEMM_ROWS):  # the library's own GEMM, Ŵ decoded into its B panels
+        bias = bias.float().contiguous() if bias is not None else None
+        if self.own_gemm and x.dtype in ELEMENT_CODES and out_dtype in ELEMENT_CODES:
+            # The library's own GEMM: x read as it is (cast, input transform and packing in one pass), Ŵ decoded into
+            # its B panels, the output transform, bias and cast written straight into out.
+            x = x.contiguous()
+            out = torch.empty(x.shape[0], n, dtype=out_dtype)
+            for r0 in range(0, x.shape[0], GEMM_ROWS):
                 rows = min(GEMM_ROWS, x.shape[0] - r0)
-                u = self._input_transform(x[r0 : r0 + rows], threads)
-                y = _workspace("y", rows * n).view(rows, n)
                 packed = _workspace("a", (rows + 15) * k)  # u in blocks of up to 16 rows, k-major
                 self.lib.exl3_cpu_gemm_f32(self.trellis.data_ptr(), self.tiles_k, self.tiles_n, self.bits2,
-                                           self.codebook, u.data_ptr(), packed.data_ptr(), self.svh.data_ptr(),
-                                           y.data_ptr(), rows, threads)
-                if bias is not None:
-                    y += bias
-                out[r0 : r0 + rows] = y
+                                           self.codebook, x[r0].data_ptr(), ELEMENT_CODES[x.dtype],
+                                           self.suh.data_ptr(), self.svh.data_ptr(),
+                                           bias.data_ptr() if bias is not None else None, out[r0].data_ptr(),
+                                           ELEMENT_CODES[out_dtype], n, packed.data_ptr(), rows, threads)
             return out
+        out = torch.empty(x.shape[0], n, dtype=out_dtype)
         strip_tiles = max(8, (STRIP_ELEMENTS // k) // 128 * 8)
         cols = 16 * min(self.tiles_n, strip_tiles)
         for r0 in range(0, x.shape[0], GEMM_ROWS):

@@ -87,7 +87,7 @@ def test_both_paths_match_the_reference(codebook, bits, rows):
 @pytest.mark.parametrize("own_gemm", [True, False])
 def test_gemm_path_in_row_passes_and_strips_with_bias(own_gemm, monkeypatch):
     """More rows than one pass (GEMM_ROWS) and more columns than one strip: every piece lands in its place, the
-    bias is added in fp32 and a bf16 output is the fp32 result cast once; both fp32 GEMMs (the avx512 tier's own,
+    bias is added in fp32 and a bf16 or fp16 output is the fp32 result cast once; both fp32 GEMMs (the avx512 tier's own,
     decode-strip + BLAS)."""
     monkeypatch.setattr(ops, "GEMM_ROWS", 16)
     monkeypatch.setattr(ops, "STRIP_ELEMENTS", 384 * 128)  # 128-column strips: two of them
@@ -100,8 +100,10 @@ def test_gemm_path_in_row_passes_and_strips_with_bias(own_gemm, monkeypatch):
     bias = torch.randn(256).half()
     got = lin(x, torch.float32, bias)
     torch.testing.assert_close(got, reference.linear(x, trellis, suh, svh, 4, "mul1", bias), rtol=1e-5, atol=1e-5)
-    xb = x.bfloat16()
-    assert torch.equal(lin(xb, torch.bfloat16, bias), lin(xb, torch.float32, bias).bfloat16())
+    # The own GEMM reads bf16/fp16 x and writes bf16/fp16 outputs itself: rounded as torch rounds the fp32 result.
+    for dtype in (torch.bfloat16, torch.float16):
+        xl = x.to(dtype)
+        assert torch.equal(lin(xl, dtype, bias), lin(xl, torch.float32, bias).to(dtype)), dtype
 
 
 @pytest.mark.parametrize("codebook,bits", [("mul1", 4), ("3inst", 3), ("mcg", 2), ("mul1", 3.5)])
