@@ -1,0 +1,97 @@
+"""The int8-activation mul1 study's K loop (kernels/triton_int8.py) against the served exact kernel's, compiled locally
+with the installed Triton (no GPU): registers and SASS instructions per weight by opcode for sm_90, or the SPIR-V
+compile for Intel's XPU backend (whether the int8 dot gets DPAS, and which operands go through shared local memory).
+
+    python3 -P bench/sass_int8.py                      # sm_90: served exact 4-bit mul1, then the int8 variants
+    python3 -P bench/sass_int8.py --aligned            # as a launch specialises: pointers and k, n divisible by 16
+    PYTHONPATH=.venv/triton-xpu python3 -P bench/sass_int8.py --xpu
+
+The loop counted is the first backward branch (bench/sass_loop.py): the int8 kernel's inner loop over a slice's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import triton
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sass_loop (python -P leaves the script's dir out)
+import compile_kernels  # noqa: E402
+
+from exl3local.kernels import triton_int8  # noqa: E402
+from exl3local.kernels.triton_decode import rate_constants  # noqa: E402
+
+INT8_ARGS = {"a_ptr": "*i8", "fs_ptr": "*fp32", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32",
+             "tiles_n": "i32", "slices": "i32", "slices_per_split": "i32", "stride_zs": "i32"}
+VARIANTS = [(8, 2), (8, 1), (16, 1)]  # (BNT, KT)
+ALIGNED_INTS = ("size_k", "tiles_n", "k_steps")
+
+
+def aligned_source(fn, signature: dict[str, str], constants: dict) -> ASTSource:
+    """The kernel as a launch with 16-byte aligned tensors and k, n multiples of 16 specialises it (less the pointers
+    the kernel asks not to be specialised on alignment)."""
+    unaligned = getattr(fn, "do_not_specialize_on_alignment", [])
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+             if (kind.startswith("*") and name not in unaligned) or name in ALIGNED_INTS}
+    return ASTSource(fn, signature, constants, attrs)
+
+
+def compile_int8(bnt: int, kt: int, target, options: dict, aligned: bool):
+    rate = rate_constants(4, "mul1")
+    constants = dict(KA=rate["KA"], HALF=rate["HALF"], W32=rate["W32"], KT=kt, BNT=bnt,
+                     SLICE_STEPS=triton_int8.SLICE // (16 * kt), BM=16)
+    signature = dict(INT8_ARGS, **{name: "constexpr" for name in constants})
+    source = (aligned_source if aligned else ASTSource)(triton_int8.mul1_int8_kernel, signature, constants)
+    return triton.compile(source, target=target, options=dict(num_warps=triton_int8.WARPS, num_stages=1, **options))
+
+
+def cuda(args) -> None:
+    import sass_loop
+
+    if args.aligned:  # sass_loop's own compile of the served kernel, with the launch's divisibility facts
+        sass_loop.ASTSource = aligned_source
+    served = sass_loop.compile_fused(4, "mul1", {}, {})
+    print(f"Triton {triton.__version__}, sm_90, mul1 4 bits, 16 rows, aligned {args.aligned}")
+    kt_served = sass_loop.triton_gemv.ring_dot_config(4)[1]
+    rows = [("served exact", served, 16 * kt_served * 128 // 128)]
+    for bnt, kt in VARIANTS:
+        for cap in (int(c) for c in args.maxnreg.split(",")):
+            kernel = compile_int8(bnt, kt, compile_kernels.TARGETS["cuda"], {"maxnreg": cap} if cap else {},
+                                  args.aligned)
+            rows.append((f"int8 BNT {bnt} KT {kt} cap {cap or '-'}", kernel, 16 * kt * 16 * bnt // 128))
+    for name, kernel, weights in rows:
+        regs, count, ops = sass_loop.loop_mix(kernel.asm["cubin"])
+        print(f"{name:26s}: {regs:3d} registers, {count:4d} loop instructions / {weights} weights per thread = "
+              f"{count / weights:5.2f} per weight  " + " ".join(f"{op} {n}" for op, n in ops.most_common(30)))
+
+
+def xpu(args) -> None:
+    compile_kernels.BACKEND[0] = "xpu"
+    compile_kernels.offline_intel_backend()
+    print(f"Triton {triton.__version__} ({triton.__file__}), target {compile_kernels.TARGETS['xpu']}")
+    for bnt, kt in VARIANTS:
+        kernel = compile_int8(bnt, kt, compile_kernels.TARGETS["xpu"], {}, args.aligned)
+        ttgir = kernel.asm["ttgir"]
+        dpas = ttgir[ttgir.find("#triton_intel_gpu.dpas<"):].split(">")[0] if "dpas<" in ttgir else "NO DPAS layout"
+        staged = [line.split("->")[-1].split("loc(")[0].strip() for line in ttgir.splitlines() if "ttg.local_load" in line]
+        print(f"int8 BNT {bnt} KT {kt}: SPIR-V {len(kernel.asm['spv'])} bytes, {dpas}>; "
+              f"operands through shared local memory: {staged or 'none'}; "
+              f"i8 matrix_mad_k32 (DPAS) mentions in LLVM IR: {kernel.asm['llir'].count('i8_matrix_mad_k32')}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--xpu", action="store_true", help="compile for Intel's XPU backend instead of sm_90")
+    parser.add_argument("--aligned", action="store_true", help="pointers and k, n divisible by 16, as a launch")
+    parser.add_argument("--maxnreg", default="0", help="register caps for the int8 kernel (0: none), sm_90 only")
+    args = parser.parse_args()
+    (xpu if args.xpu else cuda)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
