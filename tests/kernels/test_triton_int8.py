@@ -78,3 +78,15 @@ def test_emulation_error_is_the_int8_paths(make_layer, kernel_device, relative_e
     exact = _had(_had(x.cpu().double() * suh.cpu().double())
                  @ reference.decode_trellis(trellis, 4, "mul1").cpu().double()) * svh.cpu().double()
     assert 1e-3 < relative_error(y, exact) < 2e-2
+
+
+def test_emulation_reproduces_exllamav3s_int8_gemv(fixtures_dir):
+    # public_28 (mul1, K = 2, 512x256, m = 1) is the one fixture exllamav3 ran through its int8 GEMV (spec §5/§11):
+    # 256-input slices and had_fh (fp32 H128, rounded to fp16, then ⊙svh in fp16) give its y_m1 bit for bit
+    from safetensors.torch import load_file
+
+    t = load_file(fixtures_dir / "exl3" / "tensors_public.safetensors")
+    x, suh, svh, trellis, y_m1 = (t[f"public_28_mul1_K2_512x256.{k}"] for k in ("x", "suh", "svh", "trellis", "y_m1"))
+    z = triton_int8.emulate_z(input_transform(x[:1].contiguous(), suh), reference.decode_trellis(trellis, 2, "mul1"))
+    y = _had(z).float().half() * svh
+    assert torch.equal(y.view(torch.int16), y_m1.view(torch.int16))
