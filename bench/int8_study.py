@@ -1,10 +1,12 @@
-"""The int8-activation mul1 study's K loop (kernels/triton_int8.py) against the served exact kernel's, compiled locally
-with the installed Triton (no GPU): registers and SASS instructions per weight by opcode for sm_90, or the SPIR-V
-compile for Intel's XPU backend (whether the int8 dot gets DPAS, and which operands go through shared local memory).
+"""The int8-activation mul1 study (kernels/triton_int8.py), no GPU: its K loop against the served exact kernel's,
+compiled locally with the installed Triton (registers and SASS instructions per weight by opcode for sm_90, or the
+SPIR-V compile for Intel's XPU backend: whether the int8 dot gets DPAS, which operands go through shared local memory),
+and its accuracy on random mul1 layers (relative error of y against fp64 x·W, by slice size, against the fp16 path).
 
-    python3 -P bench/sass_int8.py                      # sm_90: served exact 4-bit mul1, then the int8 variants
-    python3 -P bench/sass_int8.py --aligned            # as a launch specialises: pointers and k, n divisible by 16
-    PYTHONPATH=.venv/triton-xpu python3 -P bench/sass_int8.py --xpu
+    python3 -P bench/int8_study.py                      # sm_90: served exact 4-bit mul1, then the int8 variants
+    python3 -P bench/int8_study.py --aligned            # as a launch specialises: pointers and k, n divisible by 16
+    PYTHONPATH=.venv/triton-xpu python3 -P bench/int8_study.py --xpu
+    python3 -P bench/int8_study.py --accuracy           # emulation only (torch, CPU)
 
 The loop counted is the first backward branch (bench/sass_loop.py): the int8 kernel's inner loop over a slice's steps.
 """
@@ -83,13 +85,46 @@ def xpu(args) -> None:
               f"i8 matrix_mad_k32 (DPAS) mentions in LLVM IR: {kernel.asm['llir'].count('i8_matrix_mad_k32')}")
 
 
+def accuracy(args) -> None:
+    import torch
+
+    from exl3local.kernels import reference
+    from exl3local.kernels.hadamard import hadamard_128
+
+    def had(v):  # H128 per block of the last dimension, fp64
+        return (v.double().reshape(-1, 128) @ hadamard_128().double()).reshape(v.shape)
+
+    print("relative error of y = H(z)⊙svh against fp64 x·W (8 rows each; int8: exllamav3's numerics, per slice size)")
+    slices = (128, 256, 512, 1024)
+    for size_k, size_n in ((5120, 1024), (17408, 512)):
+        g = torch.Generator().manual_seed(size_k)
+        trellis = torch.randint(-32768, 32768, (size_k // 16, size_n // 16, 64), generator=g, dtype=torch.int16)
+        suh = (torch.randn(size_k, generator=g) * 0.05).half()
+        svh = (torch.randn(size_n, generator=g) * 0.05).half()
+        w_hat = reference.decode_trellis(trellis, 4, "mul1")
+        for kind in ("gaussian", "outliers"):
+            x = torch.randn(8, size_k, generator=g)
+            if kind == "outliers":  # 1 % of the channels 30x larger, as LLM activations have
+                x[:, torch.randperm(size_k, generator=g)[: size_k // 100]] *= 30
+            exact = had(had(x.double() * suh.double()) @ w_hat.double()) * svh.double()
+            u = had((x.half() * suh).float()).half()  # the fp16 input transform (spec §5, step order aside)
+
+            def err(z):
+                return ((had(z) * svh.double() - exact).norm(dim=1) / exact.norm(dim=1)).mean().item()
+
+            cells = [f"fp16 path {err(u.double() @ w_hat.double()):.2e}"]
+            cells += [f"int8/{s} {err(triton_int8.emulate_z(u, w_hat, s)):.2e}" for s in slices]
+            print(f"{size_k}x{size_n} mul1 K4 {kind:8s}: " + "  ".join(cells), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--xpu", action="store_true", help="compile for Intel's XPU backend instead of sm_90")
     parser.add_argument("--aligned", action="store_true", help="pointers and k, n divisible by 16, as a launch")
     parser.add_argument("--maxnreg", default="0", help="register caps for the int8 kernel (0: none), sm_90 only")
+    parser.add_argument("--accuracy", action="store_true", help="the emulation's error on random layers instead")
     args = parser.parse_args()
-    (xpu if args.xpu else cuda)(args)
+    (accuracy if args.accuracy else xpu if args.xpu else cuda)(args)
     return 0
 
 
