@@ -242,20 +242,23 @@ class CpuLinear:
             y += bias.float()
         return y if out_dtype == torch.float32 else y.to(out_dtype)
 
-    def _gemm(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+    def _gemm(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, threads: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """Up to GEMM_ROWS rows per pass: the library's own GEMM (own_gemm: x in, the output out, u packed in the
         workspace) or u = H(x ⊙ suh) in the workspace, then per strip of columns Ŵ decoded once, one BLAS matmul and
         the output transform, the result cast into the output. Every fp32 intermediate lives in this thread's
-        workspace, so a prefill leaves no large freed buffers behind (the heap would keep them)."""
+        workspace, so a prefill leaves no large freed buffers behind (the heap would keep them). out: where to write
+        (m, n) in out_dtype, its rows contiguous (a fused layer's column slice: the own GEMM writes it in place)."""
         if self.amx and self.amx_rows(x.dtype, x.shape[0]):
-            return self._gemm_amx(x, out_dtype, bias, threads)
+            y = self._gemm_amx(x, out_dtype, bias, threads)
+            return y if out is None else out.copy_(y)
         k, n = self.size_k, self.size_n
+        out = torch.empty(x.shape[0], n, dtype=out_dtype) if out is None else out
         bias = bias.float().contiguous() if bias is not None else None
-        if self.own_gemm and x.dtype in ELEMENT_CODES and out_dtype in ELEMENT_CODES:
+        if self.own_gemm and x.dtype in ELEMENT_CODES and out.dtype in ELEMENT_CODES and out.stride(1) == 1:
             # The library's own GEMM: x read as it is (cast, input transform and packing in one pass), Ŵ decoded into
             # its B panels, the output transform, bias and cast written straight into out.
             x = x.contiguous()
-            out = torch.empty(x.shape[0], n, dtype=out_dtype)
             for r0 in range(0, x.shape[0], GEMM_ROWS):
                 rows = min(GEMM_ROWS, x.shape[0] - r0)
                 packed = _workspace("a", (rows + 15) * k)  # u in blocks of up to 16 rows, k-major
@@ -263,9 +266,8 @@ class CpuLinear:
                                            self.codebook, x[r0].data_ptr(), ELEMENT_CODES[x.dtype],
                                            self.suh.data_ptr(), self.svh.data_ptr(),
                                            bias.data_ptr() if bias is not None else None, out[r0].data_ptr(),
-                                           ELEMENT_CODES[out_dtype], n, packed.data_ptr(), rows, threads)
+                                           ELEMENT_CODES[out.dtype], out.stride(0), packed.data_ptr(), rows, threads)
             return out
-        out = torch.empty(x.shape[0], n, dtype=out_dtype)
         strip_tiles = max(8, (STRIP_ELEMENTS // k) // 128 * 8)
         cols = 16 * min(self.tiles_n, strip_tiles)
         for r0 in range(0, x.shape[0], GEMM_ROWS):
@@ -372,7 +374,18 @@ class CpuFusedLinear:
         pad = self.size_k - x2d.shape[-1]
         if not 0 < m <= self.gemv_rows:
             xp = torch.nn.functional.pad(x2d, (0, pad)) if pad else x2d
-            y = torch.cat([p(xp, x.dtype)[:, :out] for p, out in zip(self.parts, self.out_features)], dim=-1)
+            if m == 0:
+                return x.new_empty(*lead, sum(self.out_features))
+            heap.trim_after_forward(_drop_workspaces)
+            # Each part into its columns of y (no concatenation pass); a part padded past its out_features via a copy.
+            y = torch.empty(m, sum(self.out_features), dtype=x.dtype)
+            col = 0
+            for p, out in zip(self.parts, self.out_features):
+                if out == p.size_n:
+                    p._gemm(xp, x.dtype, None, torch.get_num_threads(), y[:, col : col + out])
+                else:
+                    y[:, col : col + out] = p(xp, x.dtype)[:, :out]
+                col += out
             return y.view(*lead, y.shape[-1])
         xf = x2d.float()
         xf = torch.nn.functional.pad(xf, (0, pad)) if pad else xf.contiguous()
