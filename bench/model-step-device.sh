@@ -22,12 +22,15 @@
 #     caps (VARIANTS) beside the served code, exllamav3 per group.
 #   PLAN=final (session 16): bench/model_step.py at ROWS (default 1,4,16,64, every eager cell first), the served
 #     code's A/B (bench/one_launch.py --variants VARIANTS at 27B M = 1, 4 and 35B-A3B M = 16), then the GPU test set
-#     as three pytest processes side by side until +TEST_END s (their logs tests_*.log) and, beside them, bench/prefill_forms.py's and
+#     (test_set: four pytest processes since session 19) side by side until +TEST_END s (their logs tests_*.log) and, beside them, bench/prefill_forms.py's and
 #     prefill_pieces.py's 27B steps at 512 rows (do they run: their times then mean nothing) and bench/sass_loop.py (the
 #     decode loop as the device's Triton compiles it); EXTRAS=0 leaves those two out.
 #   PLAN=kwidth (session 17): bench/sass_loop.py (the device's Triton), bench/one_launch.py --variants VARIANTS (default:
 #     the fragment order for kWidth 2, and the served order with the words one K step ahead) at VROWS (1,4), then
 #     bench/model_step.py at ROWS (1,4,16).
+#   PLAN=parts (session 19): bench/prefill_parts.py (27B at 4096/512 rows: a fused layer's parts sharing one input
+#     transform vs each its own, the order and row-block variants, exllamav3), then the GPU test set (test_set) as four
+#     pytest processes side by side until +TEST_END s; PARTS_ARGS: more prefill_parts.py arguments.
 #   PLAN=moe: the GPU tests; 35B steps with the MoE over expert-sorted tiles vs one unit per program (--units) vs
 #     exllamav3 at ROWS (default 64,512,16,4096,4); then the 27B decode configs (bench/layers.py config, M = 1, 4).
 set -u
@@ -39,6 +42,15 @@ tests() {
   echo "tests done at +$(( $(date +%s) - start )) s"
 }
 run() { (cd /tmp && python3 -P "$REPO/bench/$1" --out "$OUT" "${@:2}"); }
+part() { (cd /tmp && timeout $(( start + ${TEST_END:-560} - $(date +%s) )) python3 -P -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
+  -c "$REPO/pyproject.toml" "${@:2}" > "$OUT/tests_$1.log" 2>&1; echo "rc $? at +$(( $(date +%s) - start )) s" >> "$OUT/tests_$1.log"); }
+test_set() {  # the kernels' GPU tests, four processes side by side (session 19: test_selftest alone took ~300 s)
+  part bound "$REPO"/tests/kernels/test_bound.py "$REPO"/tests/kernels/test_bound_group.py \
+    "$REPO"/tests/kernels/test_split_k.py &
+  part linear "$REPO"/tests/kernels/test_triton_linear.py "$REPO"/tests/kernels/test_triton_decode.py &
+  part gpu_moe "$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_triton_moe.py &
+  part selftest "$REPO"/tests/kernels/test_selftest.py -k "not cpu" &
+}
 if [ "${PLAN:-tiled}" = tiled ]; then
   tests "$REPO"/tests/kernels/test_bound.py "$REPO"/tests/kernels/test_triton_gpu.py \
     "$REPO"/tests/kernels/test_selftest.py::test_tiled_path_is_checked_only_where_it_is_on
@@ -85,17 +97,18 @@ elif [ "$PLAN" = final ]; then
       | grep -v '^{' >> "$OUT/one_launch_final.log"
   done
   echo "variants done at +$(( $(date +%s) - start )) s"
-  part() { (cd /tmp && timeout $(( start + ${TEST_END:-560} - $(date +%s) )) python3 -P -m pytest -q -p no:cacheprovider --rootdir "$REPO" \
-    -c "$REPO/pyproject.toml" "${@:2}" > "$OUT/tests_$1.log" 2>&1; echo "rc $? at +$(( $(date +%s) - start )) s" >> "$OUT/tests_$1.log"); }
-  part bound "$REPO"/tests/kernels/test_bound.py "$REPO"/tests/kernels/test_triton_linear.py \
-    "$REPO"/tests/kernels/test_split_k.py "$REPO"/tests/kernels/test_triton_decode.py &
-  part gpu_moe "$REPO"/tests/kernels/test_triton_gpu.py "$REPO"/tests/kernels/test_triton_moe.py &
-  part selftest "$REPO"/tests/kernels/test_selftest.py -k "not cpu" &
+  test_set
   if [ "${EXTRAS:-1}" = 1 ]; then  # EXTRAS=0: the tests alone on the GPU (they finish sooner)
     (run prefill_forms.py --steps-only --step-rows 512; run prefill_pieces.py --rows 1024 --step-rows 512) \
       > "$OUT/prefill_steps.log" 2>&1 &
     (cd /tmp && python3 -P "$REPO/bench/sass_loop.py" > "$OUT/sass_loop.log" 2>&1) &
   fi
+  wait
+  tail -n 3 "$OUT"/tests_*.log
+elif [ "$PLAN" = parts ]; then
+  run prefill_parts.py --deadline $(( start + ${PARTS_SECONDS:-300} )) ${PARTS_ARGS:-} 2>&1 | tee "$OUT/prefill_parts.log"
+  echo "prefill parts done at +$(( $(date +%s) - start )) s"
+  test_set
   wait
   tail -n 3 "$OUT"/tests_*.log
 elif [ "$PLAN" = kwidth ]; then

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from exl3local.kernels.bound_group import group_launch
-from exl3local.kernels.bound_reconstruct import ReconstructLaunch
+from exl3local.kernels.bound_reconstruct import reconstruct_parts
 from exl3local.kernels.fused_launch import MAX_ROWS, FusedLaunch
 # Re-exported: the self-test (kernels/selftest*.py) and tests import them from here.
 from exl3local.kernels.fused_launch import tiled_max_rows  # noqa: F401
@@ -41,7 +41,8 @@ class BoundLinear:
         self.out_features = sum(part[4] for part in self.parts)
         self.bias = bias
         self.launches = None
-        self.rebuilds = None  # the parts' ReconstructLaunch, made on the first call above max_rows
+        self.rebuilds = None  # the parts' ReconstructLaunch, made on the first call above max_rows...
+        self.rebuild_input = None  # ...and their shared InputLaunch where there are several parts
         self.max_rows = MAX_ROWS
         group = None
         if all(kernel.backend == "triton" for kernel, *_ in self.parts):
@@ -91,15 +92,15 @@ class BoundLinear:
         """More rows than the bound launches serve, Triton parts: the reconstruct path bound per part
         (kernels/bound_reconstruct.py), the same bits as `unfused`."""
         if self.rebuilds is None:
-            self.rebuilds = [ReconstructLaunch(trellis, suh, svh, kernel.spec.bits, kernel.spec.codebook,
-                                               self.in_features) for kernel, trellis, suh, svh, _ in self.parts]
+            self.rebuilds, self.rebuild_input = reconstruct_parts(self.parts, self.in_features)
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.stride(-1) != 1:
             x2d = x2d.contiguous()
         y = torch.empty(x2d.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        u = self.rebuild_input(x2d) if self.rebuild_input is not None else None  # x read once for every part
         start = 0
-        for rebuild, (*_, out) in zip(self.rebuilds, self.parts):
-            rebuild.into(x2d, y, start, out)
+        for i, (rebuild, (*_, out)) in enumerate(zip(self.rebuilds, self.parts)):
+            rebuild.into(x2d, y, start, out, None if u is None else u[i])
             start += out
         y = y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y

@@ -109,7 +109,8 @@ class FusedLaunch:
             if self.max_rows > MAX_ROWS else None
         # Keep the bound tensors referenced: the compiled argument lists hold only their addresses.
         self.input_fixed = dict(suh_ptr=suh, had_ptr=hadamard_operands(self.device)[NATURAL.value],
-                                size_k=self.size_k, HAS_IDS=experts, SCALE=HADAMARD_SCALE, PAIRS=False, GLU=False, RB=1)
+                                size_k=self.size_k, HAS_IDS=experts, SCALE=HADAMARD_SCALE, PAIRS=False, GLU=False, RB=1,
+                                PARTS=1)
         self.fused_fixed = dict(w_ptr=words(trellis), svh_ptr=svh, bias_ptr=bias if bias is not None else svh,
                                 tiles_n=self.size_n // 16, k_steps=self.k_steps,
                                 expert_words=trellis[0].numel() // 2 if experts else 0,

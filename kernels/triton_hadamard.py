@@ -95,18 +95,21 @@ def unit_expert(ids_ptr, unit, mask, PAIRS: tl.constexpr):
     return tl.maximum(tl.load(ids_ptr + unit, mask=mask, other=0).to(tl.int64), 0)
 
 
-@triton.jit(do_not_specialize=["M", "stride_xm"])  # one compiled kernel for every row count (kernels/bound.py)
+@triton.jit(do_not_specialize=["M", "stride_xm"])  # one compiled kernel for every row count (kernels/fused_launch.py)
 def _input_kernel(x_ptr, suh_ptr, ids_ptr, had_ptr, u_ptr, M, size_k, stride_xm, x_div, k_valid,
                   HAS_IDS: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, PAIRS: tl.constexpr = False,
-                  GLU: tl.constexpr = False, RB: tl.constexpr = 1):
+                  GLU: tl.constexpr = False, RB: tl.constexpr = 1, PARTS: tl.constexpr = 1):
     """x has k_valid <= size_k features per row; the rest reads as the zero padding of spec §1.4.
     GLU: x row r is silu(x[2r]) ⊙ x[2r + 1] (an MoE unit's gate and up outputs, fp32), the down projection's
     input computed here instead of in a separate launch. RB: row blocks per program, which load the ±1 operand
-    (32 KB, twice a 64-row block of x) once for all of them (input_row_blocks)."""
+    (32 KB, twice a 64-row block of x) once for all of them (input_row_blocks). PARTS > 1 (not HAS_IDS): the parts
+    of a fused layer (suh stacked (PARTS, size_k)), each x block read once for all of them; part p's u is rows
+    p·M .. p·M + M - 1 of u, each the same bits as a launch of its own."""
     rk = tl.program_id(1) * 128 + tl.arange(0, 128)
     h = load_hadamard(had_ptr, NATURAL)
-    if not HAS_IDS:
-        suh = tl.load(suh_ptr + rk).to(tl.float32)[None, :]
+    if PARTS == 1:  # (one constexpr per `if`: Triton takes `a and b` for a runtime condition)
+        if not HAS_IDS:
+            suh = tl.load(suh_ptr + rk).to(tl.float32)[None, :]
     for b in range(RB):
         rm = (tl.program_id(0) * RB + b) * BM + tl.arange(0, BM)
         mask = (rm < M)[:, None]
@@ -117,15 +120,24 @@ def _input_kernel(x_ptr, suh_ptr, ids_ptr, had_ptr, u_ptr, M, size_k, stride_xm,
             up = tl.load(x_ptr + (2 * xrow + 1)[:, None] * stride_xm + rk[None, :], mask=xmask,
                          other=0.0).to(tl.float32)
             x = g / (1.0 + tl.exp(-g)) * up
+        elif PARTS > 1:  # kept in its own dtype across the parts (its fp32 value is exact)
+            x = tl.load(x_ptr + xrow[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0)
         else:
             x = tl.load(x_ptr + xrow[:, None] * stride_xm + rk[None, :], mask=xmask, other=0.0).to(tl.float32)
-        if HAS_IDS:
-            e = unit_expert(ids_ptr, rm, rm < M, PAIRS)
-            s = tl.load(suh_ptr + e[:, None] * size_k + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if PARTS > 1:
+            for p in tl.static_range(PARTS):
+                s = tl.load(suh_ptr + p * size_k + rk).to(tl.float32)[None, :]
+                u = tl.dot((x.to(tl.float32) * s).to(tl.float16), h) * SCALE
+                tl.store(u_ptr + (rm + p * M).to(tl.int64)[:, None] * size_k + rk[None, :], u.to(tl.float16),
+                         mask=mask)
         else:
-            s = suh
-        u = tl.dot((x * s).to(tl.float16), h) * SCALE
-        tl.store(u_ptr + rm.to(tl.int64)[:, None] * size_k + rk[None, :], u.to(tl.float16), mask=mask)
+            if HAS_IDS:
+                e = unit_expert(ids_ptr, rm, rm < M, PAIRS)
+                s = tl.load(suh_ptr + e[:, None] * size_k + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                s = suh
+            u = tl.dot((x * s).to(tl.float16), h) * SCALE
+            tl.store(u_ptr + rm.to(tl.int64)[:, None] * size_k + rk[None, :], u.to(tl.float16), mask=mask)
 
 
 @triton.jit

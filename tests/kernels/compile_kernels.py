@@ -101,16 +101,18 @@ def main() -> None:
     compile_one(triton_hadamard._hadamard_operands_kernel, {"out_ptr": "*fp16"}, {})
     for has_ids in (False, True):
         compile_one(triton_hadamard._input_kernel, INPUT_ARGS,
-                    dict(HAS_IDS=has_ids, SCALE=HADAMARD_SCALE, BM=16, PAIRS=False, GLU=False, RB=1))
+                    dict(HAS_IDS=has_ids, SCALE=HADAMARD_SCALE, BM=16, PAIRS=False, GLU=False, RB=1, PARTS=1))
         compile_one(triton_hadamard._output_kernel,
                     {"z_ptr": "*fp32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "ids_ptr": "*i32", "y_ptr": "*fp16",
                      "M": "i32", "size_n": "i32", "splits": "i32", "stride_zs": "i32"},
                     dict(HAS_IDS=has_ids, HAS_BIAS=True, SCALE=HADAMARD_SCALE,
                          BM=triton_hadamard.OUTPUT_ROWS_PER_PROGRAM))
-    # prefill rows: programs of several 64-row blocks (triton_hadamard.input_row_blocks)
-    compile_one(triton_hadamard._input_kernel, INPUT_ARGS,
-                dict(HAS_IDS=False, SCALE=HADAMARD_SCALE, BM=64, PAIRS=False, GLU=False,
-                     RB=triton_hadamard.INPUT_ROW_BLOCKS))
+    # prefill rows: programs of several 64-row blocks (triton_hadamard.input_row_blocks), one part or a fused layer's
+    # three (bound_reconstruct.InputLaunch: x read once for every part)
+    for parts in (1, 3):
+        compile_one(triton_hadamard._input_kernel, INPUT_ARGS,
+                    dict(HAS_IDS=False, SCALE=HADAMARD_SCALE, BM=64, PAIRS=False, GLU=False,
+                         RB=triton_hadamard.INPUT_ROW_BLOCKS, PARTS=parts))
     # the reconstruct path's Hadamard on y (triton_gemm: up to HY_MAX_ROWS rows), 64-row tiles
     compile_one(triton_hadamard._product_output_kernel,
                 {"z_ptr": "*fp32", "svh_ptr": "*fp16", "bias_ptr": "*fp16", "had_ptr": "*fp16", "y_ptr": "*bf16",
@@ -118,7 +120,7 @@ def main() -> None:
                 dict(HAS_BIAS=True, SCALE=HADAMARD_SCALE, BM=64))
     # the MoE units' variants: gate/up pairs from ids, and the down projection's silu(gate)·up input; the combine
     compile_one(triton_hadamard._input_kernel, dict(INPUT_ARGS, x_ptr="*fp32"),
-                dict(HAS_IDS=True, SCALE=HADAMARD_SCALE, BM=64, PAIRS=True, GLU=True, RB=1))
+                dict(HAS_IDS=True, SCALE=HADAMARD_SCALE, BM=64, PAIRS=True, GLU=True, RB=1, PARTS=1))
     compile_one(triton_moe._tile_table_kernel, {"ids_ptr": "*i64", "cnt_ptr": "*i32", "out_ptr": "*i32", "units": "i32",
                                                 "tiles": "i32", "experts": "i32"},
                 dict(TILE=16, EB=512, BLOCK=triton_moe.TABLE_BLOCK), global_barriers=4)
@@ -176,10 +178,11 @@ def main() -> None:
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,
                     dict(rate, BM=block_m, BNT=block_nt, EPILOGUE=True, HAS_BIAS=True, SCALE=HADAMARD_SCALE),
                     global_barriers=2)
-        compile_one(triton_gemm._right_reconstruct_kernel,
-                    {"w_ptr": "*i32", "had_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "tiles_n": "i32",
-                     "tk_per_program": "i32"}, dict(rate, SCALE=HADAMARD_SCALE, KT=4),
-                    num_stages=triton_gemm.REBUILD_STAGES)
+        for halves in (False, True):
+            compile_one(triton_gemm._right_reconstruct_kernel,
+                        {"w_ptr": "*i32", "had_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "tiles_n": "i32",
+                         "tk_per_program": "i32"}, dict(rate, SCALE=HADAMARD_SCALE, KT=4, HALVES=halves),
+                        num_stages=triton_gemm.REBUILD_STAGES)
         compile_one(triton_decode._decode_dense_kernel, {"w_ptr": "*i32", "out_ptr": "*fp16", "tiles_n": "i32"},
                     dict(rate, KT=4, BNT=8))
 

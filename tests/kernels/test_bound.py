@@ -159,11 +159,29 @@ def test_more_rows_than_a_tile_take_the_reconstruct_path(monkeypatch, make_layer
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(6)).to(kernel_device)
         y = layer(x)
         assert layer.rebuilds is not None and y.shape == (*shape[:-1], 328)
+        assert layer.rebuild_input.parts == 2  # one input transform for both parts (bound_reconstruct.InputLaunch)
         assert torch.equal(y, layer.unfused(x))
         assert torch.equal(layer(x), y)  # on a GPU the second call runs through the direct launches
         assert torch.equal(whole(x.half()), whole.unfused(x.half()))
         assert torch.equal(layer(x.half()), layer.unfused(x.half()))  # fp16: parts written in place where they can
         assert torch.equal(padded_last(x), padded_last.unfused(x))
+
+
+def test_three_parts_share_one_input_transform_on_the_reconstruct_path(monkeypatch, make_layer, kernel_device):
+    """q/k/v-like parts above the bound launches' rows: one input-transform launch writes every part's u
+    (triton_hadamard._input_kernel PARTS 3, part p at rows p·M of u), each part's product the same bits as its
+    kernel's own apply, in both forms (20 rows: the Hadamard on y; 70: W_r, the limit lowered)."""
+    parts = []
+    for seed, n in enumerate((256, 128, 128)):
+        trellis, suh, svh = make_layer(128, n, 4, "mul1", seed=40 + seed)
+        parts.append((prepare(KernelSpec(128, n, 4, "mul1", torch.float32), kernel_device, "triton"), trellis, suh,
+                      svh, n))
+    layer = BoundLinear(parts, 128)
+    for rows, hy_rows in ((20, 1024), (70, 64)):
+        monkeypatch.setattr(triton_gemm, "HY_MAX_ROWS", hy_rows)
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(kernel_device).half()
+        assert torch.equal(layer(x), layer.unfused(x))
+    assert layer.rebuild_input.parts == 3
 
 
 @pytest.mark.parametrize("codebook,bits,rows,splits", [("mul1", 4, 20, 2), ("3inst", 3, 70, 1), ("mul1", 2.5, 17, 2)])
