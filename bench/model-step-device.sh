@@ -28,9 +28,11 @@
 #   PLAN=kwidth (session 17): bench/sass_loop.py (the device's Triton), bench/one_launch.py --variants VARIANTS (default:
 #     the fragment order for kWidth 2, and the served order with the words one K step ahead) at VROWS (1,4), then
 #     bench/model_step.py at ROWS (1,4,16).
-#   PLAN=parts (session 19): bench/prefill_parts.py (27B at 4096/512 rows: a fused layer's parts sharing one input
-#     transform vs each its own, the order and row-block variants, exllamav3), then the GPU test set (test_set) as four
-#     pytest processes side by side until +TEST_END s; PARTS_ARGS: more prefill_parts.py arguments.
+#   PLAN=parts (session 19): with ROWS set, bench/model_step.py --models 27b at ROWS first; bench/prefill_parts.py (27B
+#     at 4096/512 rows: a fused layer's parts sharing one input transform vs each its own, exllamav3); with PROFILE=1,
+#     bench/prefill_forms.py --profile at 4096 rows (one eager step of each side under torch's profiler); then the GPU
+#     test set (test_set) as four pytest processes side by side until +TEST_END s; PARTS_ARGS: more prefill_parts.py
+#     arguments.
 #   PLAN=moe: the GPU tests; 35B steps with the MoE over expert-sorted tiles vs one unit per program (--units) vs
 #     exllamav3 at ROWS (default 64,512,16,4096,4); then the 27B decode configs (bench/layers.py config, M = 1, 4).
 set -u
@@ -106,8 +108,11 @@ elif [ "$PLAN" = final ]; then
   wait
   tail -n 3 "$OUT"/tests_*.log
 elif [ "$PLAN" = parts ]; then
+  [ -n "${ROWS:-}" ] && run model_step.py --models 27b --rows "$ROWS" --tag model_step 2>&1 | tee "$OUT/model_step.log" \
+    | grep -v '^{'
   run prefill_parts.py --deadline $(( start + ${PARTS_SECONDS:-300} )) ${PARTS_ARGS:-} 2>&1 | tee "$OUT/prefill_parts.log"
   echo "prefill parts done at +$(( $(date +%s) - start )) s"
+  [ "${PROFILE:-0}" = 1 ] && run prefill_forms.py --profile --step-rows 4096 2>&1 | tee "$OUT/prefill_profile.log"
   test_set
   wait
   tail -n 3 "$OUT"/tests_*.log

@@ -1,14 +1,12 @@
-"""27B prefill: a fused layer's parts sharing one input transform, the W_r rebuild's Hadamard as two 64-wide dots
-(issue 21, session 19), H200, one process:
+"""27B prefill: a fused layer's parts sharing one input transform (issue 21, session 19), H200, one process:
 
 pieces: per (k, parts) of the 27B's fused layers (in_proj_qkvz and gate_up: 2 parts, q/k/v: 3, all k 5120) at --rows,
     graph µs of each part's own input transform (summed) vs one launch for all parts (bound_reconstruct.InputLaunch,
     triton_hadamard._input_kernel PARTS) at RB 1 / 2 / 4 row blocks per program; u bit-equal to the parts' own checked;
-    per 27B part, graph µs of the W_r rebuild as served and with HALVES (triton_gemm._right_reconstruct_kernel: two
-    64-wide dots), and how many of W_r's elements differ between them;
-steps: whole 27B steps (bench/model_step.py's) at --step-rows, eager ms: served, halves (every rebuild with HALVES),
-    rb4 (the shared transform at 4 row blocks per program: bound_reconstruct.PARTS_ROW_BLOCKS), per_part (each part
-    its own transform, as before session 19), exllamav3, served again, exllamav3 again.
+steps: whole 27B steps (bench/model_step.py's) at --step-rows, eager ms: served, rb4 (the shared transform at 4 row
+    blocks per program: bound_reconstruct.PARTS_ROW_BLOCKS), per_part (each part its own transform, as before session
+    19), exllamav3, served again, exllamav3 again. (s19a timed an order variant and s19b the rebuild's HALVES here:
+    both removed, docs/PERF.md "Session 19".)
 
     python3 -P bench/prefill_parts.py --out $OUT        # on the H200 (source bench/device-setup.sh first)
 """
@@ -27,10 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's sibling modules (python -P adds no path)
 from exl3_side import Exl3Side  # noqa: E402
 from model_step import eager_steps, patched_step  # noqa: E402
-from prefill_pieces import PARTS, rebuild_swap  # noqa: E402
 from step_timing import graph_us, log  # noqa: E402
 
-from exl3local.kernels import bound_reconstruct, triton_gemm  # noqa: E402
+from exl3local.kernels import bound_reconstruct  # noqa: E402
 from exl3local.kernels.bound_reconstruct import InputLaunch  # noqa: E402
 
 
@@ -65,24 +62,6 @@ def pieces(rows: int, deadline: float) -> list[dict]:
                 undo()
         log(json.dumps(row))
         results.append(row)
-    for k, n in PARTS:
-        if deadline and time.time() > deadline:
-            break
-        trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 64), generator=g, dtype=torch.int16, device="cuda")
-        svh = (torch.randn(n, generator=g, device="cuda") * 0.05).half()
-        row = dict(part=f"{k}x{n}", rebuild_us={})
-        outs = {}
-        for halves in (False, True, False):
-            undo = setting(triton_gemm, "REBUILD_HALVES", halves)()
-            try:
-                outs[halves] = triton_gemm.right_reconstruct(trellis, svh, 4, "mul1")
-                row["rebuild_us"].setdefault("halves" if halves else "served", []).append(round(graph_us(
-                    lambda: triton_gemm.right_reconstruct(trellis, svh, 4, "mul1"), reps=20), 1))
-            finally:
-                undo()
-        row["halves_differ"] = int((outs[True] != outs[False]).sum())
-        log(json.dumps(row))
-        results.append(row)
     return results
 
 
@@ -97,12 +76,10 @@ def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[
                 layer.rebuild_input = None
             return lambda: [setattr(layer, "rebuild_input", shared) for layer, shared in saved]
 
-        halves = rebuild_swap(layers, triton_gemm._right_reconstruct_kernel, triton_gemm.REBUILD_STAGES, HALVES=True)
         # exllamav3 twice, around our last timing: the spread of repeated timings on one side
-        return (("served", ours), ("halves", patched_step(ours, halves)),
-                ("rb4", patched_step(ours, setting(bound_reconstruct, "PARTS_ROW_BLOCKS", 4))),
+        return (("served", ours), ("rb4", patched_step(ours, setting(bound_reconstruct, "PARTS_ROW_BLOCKS", 4))),
                 ("per_part", patched_step(ours, per_part)), ("exl3", theirs), ("again", ours),
-                ("halves_again", patched_step(ours, halves)), ("exl3_again", theirs))
+                ("exl3_again", theirs))
 
     return eager_steps(exl3, rows_list, deadline, variants)
 

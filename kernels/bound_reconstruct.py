@@ -89,7 +89,7 @@ class ReconstructLaunch(InputLaunch):
         self.rebuild_grid = (tiles_n // 8, tiles_k // per_program, 1)
         self.rebuild_fixed = dict(w_ptr=words(trellis), had_ptr=had, svh_ptr=svh, tiles_n=tiles_n,
                                   tk_per_program=per_program, **rate_constants(bits, codebook), SCALE=HADAMARD_SCALE,
-                                  KT=4, HALVES=triton_gemm.REBUILD_HALVES)
+                                  KT=4)
         self.decode_grid = (tiles_n // 8, tiles_k // 4, 1)  # triton_decode.decode_dense's
         self.decode_fixed = dict(w_ptr=words(trellis), tiles_n=tiles_n, **rate_constants(bits, codebook), KT=4, BNT=8)
         self.output_fixed = dict(svh_ptr=svh, bias_ptr=svh, had_ptr=had, size_n=self.size_n, HAS_BIAS=False,

@@ -45,8 +45,6 @@ HY_K_PER_ROW = 4
 # The W_r rebuild unpipelined: per 27B part on the H200 (s15a) 103 / 102 / 71 / 47 µs against 151 / 151 / 99 / 60 with
 # Triton's default stages (3) and 155 / 157 / 105 / 70 with 2 (5120x17408, 17408x5120, 5120x10240, 6144x5120).
 REBUILD_STAGES = 1
-# The rebuild's Hadamard as two 64-wide dots (_right_reconstruct_kernel HALVES). Session 19's A/B.
-REBUILD_HALVES = False
 REBUILD_TILE_ROWS = 16
 
 
@@ -58,47 +56,26 @@ def rebuild_tile_rows(tiles_k: int) -> int:
 @triton.jit
 def _right_reconstruct_kernel(w_ptr, had_ptr, svh_ptr, out_ptr, tiles_n, tk_per_program, KA: tl.constexpr,
                               HALF: tl.constexpr, W32: tl.constexpr, G: tl.constexpr, CODEBOOK: tl.constexpr,
-                              SCALE: tl.constexpr, KT: tl.constexpr, HALVES: tl.constexpr = False):
-    """W_r = fp16(fp16(Ŵ·Hn)⊙svh) for 128 columns × tk_per_program tile rows, KT tile rows per dot.
-    HALVES: H128 = [[H64, H64], [H64, -H64]] (Sylvester), so Ŵ·H = [A + B, A - B] with A, B = each 64-column half
-    of Ŵ times H64: two 64-wide dots, half the multiply-adds of one 128-wide dot (the same sums in another fp32
-    order). The ring order keeps each half's columns in its half (ring_cols keeps bit 6), so the halves are
-    decoded apart (4 tiles each) and H64 with rows in the ring order is the ±1 operand's top-left quarter."""
+                              SCALE: tl.constexpr, KT: tl.constexpr):
+    """W_r = fp16(fp16(Ŵ·Hn)⊙svh) for 128 columns × tk_per_program tile rows, KT tile rows per dot."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    i = tl.arange(0, 128)
+    cols = pid_n * 128 + i
+    h_right = load_hadamard(had_ptr, RING_ROWS)
+    # W_r = fp16(right ⊙ svh) as one fp16 multiply: the product of two fp16 numbers is exact in fp32, so rounding it
+    # once to fp16 is the same bits as fp16(fp32(right)·fp32(svh)), without two conversions per weight
+    svh = tl.load(svh_ptr + cols)[None, :]
+    tile_off, s = ring_tiles(pid_n * 8, tiles_n, KT, 8, W32, G)
     tk = pid_k * tk_per_program
     row_base = w_ptr + tk.to(tl.int64) * tiles_n * W32
-    ring = (tk * 16 + ring_rows(tl.arange(0, 16 * KT))).to(tl.int64)[:, None] * (tiles_n * 16)
-    if HALVES:
-        i = tl.arange(0, 64)
-        cols = pid_n * 128 + i
-        h64 = tl.load(had_ptr + RING_ROWS * 128 * 128 + i[:, None] * 128 + i[None, :])
-        svh_a = tl.load(svh_ptr + cols)[None, :]
-        svh_b = tl.load(svh_ptr + cols + 64)[None, :]
-        off_a, s = ring_tiles(pid_n * 8, tiles_n, KT, 4, W32, G)
-        off_b, _ = ring_tiles(pid_n * 8 + 4, tiles_n, KT, 4, W32, G)
-        out_rows = out_ptr + ring + cols[None, :]
-        for _ in range(0, tk_per_program, KT):
-            a = tl.dot(ring_operand(row_base, off_a, s, KT, 4, KA, HALF, W32, G, CODEBOOK), h64)
-            b = tl.dot(ring_operand(row_base, off_b, s, KT, 4, KA, HALF, W32, G, CODEBOOK), h64)
-            tl.store(out_rows, ((a + b) * SCALE).to(tl.float16) * svh_a)
-            tl.store(out_rows + 64, ((a - b) * SCALE).to(tl.float16) * svh_b)
-            row_base += KT * tiles_n * W32
-            out_rows += KT * 16 * tiles_n * 16
-    else:
-        cols = pid_n * 128 + tl.arange(0, 128)
-        h_right = load_hadamard(had_ptr, RING_ROWS)
-        # W_r = fp16(right ⊙ svh) as one fp16 multiply: the product of two fp16 numbers is exact in fp32, so rounding
-        # it once to fp16 is the same bits as fp16(fp32(right)·fp32(svh)), without two conversions per weight
-        svh = tl.load(svh_ptr + cols)[None, :]
-        tile_off, s = ring_tiles(pid_n * 8, tiles_n, KT, 8, W32, G)
-        out_rows = out_ptr + ring + cols[None, :]
-        for _ in range(0, tk_per_program, KT):
-            w_hat = ring_operand(row_base, tile_off, s, KT, 8, KA, HALF, W32, G, CODEBOOK)
-            right = (tl.dot(w_hat, h_right) * SCALE).to(tl.float16)
-            tl.store(out_rows, right * svh)
-            row_base += KT * tiles_n * W32
-            out_rows += KT * 16 * tiles_n * 16
+    out_rows = out_ptr + (tk * 16 + ring_rows(tl.arange(0, 16 * KT))).to(tl.int64)[:, None] * (tiles_n * 16) + cols[None, :]
+    for _ in range(0, tk_per_program, KT):
+        w_hat = ring_operand(row_base, tile_off, s, KT, 8, KA, HALF, W32, G, CODEBOOK)
+        right = (tl.dot(w_hat, h_right) * SCALE).to(tl.float16)
+        tl.store(out_rows, right * svh)
+        row_base += KT * tiles_n * W32
+        out_rows += KT * 16 * tiles_n * 16
 
 
 def right_reconstruct(trellis: torch.Tensor, svh: torch.Tensor, bits: float, codebook: str,
@@ -114,8 +91,8 @@ def right_reconstruct(trellis: torch.Tensor, svh: torch.Tensor, bits: float, cod
     w = torch.empty(tiles_k * 16, tiles_n * 16, dtype=torch.float16, device=trellis.device)
     _right_reconstruct_kernel[(tiles_n // 8, tiles_k // tile_rows_per_program)](
         words(trellis), hadamard_operands(trellis.device), svh, w, tiles_n, tile_rows_per_program,
-        **rate_constants(bits, codebook), SCALE=HADAMARD_SCALE, KT=block_kt, HALVES=REBUILD_HALVES,
-        num_warps=num_warps, num_stages=REBUILD_STAGES,
+        **rate_constants(bits, codebook), SCALE=HADAMARD_SCALE, KT=block_kt, num_warps=num_warps,
+        num_stages=REBUILD_STAGES,
     )
     return w
 

@@ -178,11 +178,10 @@ def main() -> None:
         compile_one(triton_gemv.exl3_gemv_ring_kernel, FMA_ARGS,
                     dict(rate, BM=block_m, BNT=block_nt, EPILOGUE=True, HAS_BIAS=True, SCALE=HADAMARD_SCALE),
                     global_barriers=2)
-        for halves in (False, True):
-            compile_one(triton_gemm._right_reconstruct_kernel,
-                        {"w_ptr": "*i32", "had_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "tiles_n": "i32",
-                         "tk_per_program": "i32"}, dict(rate, SCALE=HADAMARD_SCALE, KT=4, HALVES=halves),
-                        num_stages=triton_gemm.REBUILD_STAGES)
+        compile_one(triton_gemm._right_reconstruct_kernel,
+                    {"w_ptr": "*i32", "had_ptr": "*fp16", "svh_ptr": "*fp16", "out_ptr": "*fp16", "tiles_n": "i32",
+                     "tk_per_program": "i32"}, dict(rate, SCALE=HADAMARD_SCALE, KT=4),
+                    num_stages=triton_gemm.REBUILD_STAGES)
         compile_one(triton_decode._decode_dense_kernel, {"w_ptr": "*i32", "out_ptr": "*fp16", "tiles_n": "i32"},
                     dict(rate, KT=4, BNT=8))
 
