@@ -7,6 +7,7 @@ and its accuracy on random mul1 layers (relative error of y against fp64 x·W, b
     python3 -P bench/int8_study.py --aligned            # as a launch specialises: pointers and k, n divisible by 16
     PYTHONPATH=.venv/triton-xpu python3 -P bench/int8_study.py --xpu
     python3 -P bench/int8_study.py --accuracy           # emulation only (torch, CPU)
+    python3 -P bench/int8_study.py --time               # on a GPU: the int8 kernel alone vs the served bound linear
 
 The loop counted is the first backward branch (bench/sass_loop.py): the int8 kernel's inner loop over a slice's steps.
 """
@@ -117,14 +118,45 @@ def accuracy(args) -> None:
             print(f"{size_k}x{size_n} mul1 K4 {kind:8s}: " + "  ".join(cells), flush=True)
 
 
+def time_kernels(args) -> None:
+    """µs (do_bench median, then graph replay) of the int8 kernel alone (its A' and fs made beforehand: a served path
+    would fuse the quantization into the input transform and add the output Hadamard) at several split counts, against
+    the served exact bound linear (input transform + fused K loop and epilogue) on the same layer."""
+    import torch
+    from kernels_common import bound_linear, make_layer, timed
+    from step_timing import DEVICE
+
+    if not torch.cuda.is_available():
+        DEVICE[0] = "cpu"  # the interpreter: checks the run, its times mean nothing
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    for size_k, size_n in shapes:
+        trellis, suh, svh = make_layer(size_k, size_n, 4, "mul1", seed=5)
+        bound = bound_linear(trellis, suh, svh, 4, "mul1")
+        for rows in (1, 2):
+            x = torch.randn(rows, size_k, device=DEVICE[0]).half()
+            cells = [f"served {timed(lambda: bound(x)):7.1f} / {timed(lambda: bound(x), graph=DEVICE[0] == 'cuda'):7.1f}"]
+            v, q = triton_int8.quantize(x)
+            a_op, fs = triton_int8.activation_operand(v), (q * triton_int8.K_INV).contiguous()
+            for splits in (int(s) for s in args.splits.split(",")):
+                z = torch.empty(splits, rows, size_n, dtype=torch.float32, device=x.device)
+
+                def run():
+                    triton_int8.mul1_int8_partials(a_op, fs, trellis, 4, z)
+                cells.append(f"int8 x{splits} {timed(run):7.1f} / {timed(run, graph=DEVICE[0] == 'cuda'):7.1f}")
+            print(f"{size_k}x{size_n} mul1 K4 M {rows} (µs eager / graph): " + "  ".join(cells), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--xpu", action="store_true", help="compile for Intel's XPU backend instead of sm_90")
     parser.add_argument("--aligned", action="store_true", help="pointers and k, n divisible by 16, as a launch")
     parser.add_argument("--maxnreg", default="0", help="register caps for the int8 kernel (0: none), sm_90 only")
     parser.add_argument("--accuracy", action="store_true", help="the emulation's error on random layers instead")
+    parser.add_argument("--time", action="store_true", help="time the int8 kernel and the served linear (GPU)")
+    parser.add_argument("--shapes", default="5120x17408,17408x5120,5120x5120", help="--time: k x n, comma-separated")
+    parser.add_argument("--splits", default="1,2,4,8", help="--time: the int8 kernel's K splits")
     args = parser.parse_args()
-    (accuracy if args.accuracy else xpu if args.xpu else cuda)(args)
+    (time_kernels if args.time else accuracy if args.accuracy else xpu if args.xpu else cuda)(args)
     return 0
 
 

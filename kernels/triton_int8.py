@@ -143,29 +143,36 @@ def activation_operand(v: torch.Tensor) -> torch.Tensor:
     return v[:, operand_rows(v.shape[1]).to(v.device)].contiguous()
 
 
+def mul1_int8_partials(a_op: torch.Tensor, fs: torch.Tensor, trellis: torch.Tensor, bits: float, z: torch.Tensor,
+                       slice_size: int = SLICE, kt: int = STEP_TILE_ROWS, bnt: int = BLOCK_N_TILES) -> None:
+    """The kernel alone: z [splits, M, n] fp32 = each split's Σ fs · (A' · B'), from A' (activation_operand) and fs
+    [M, K/slice] (fp32); what a timing run measures."""
+    splits, rows, size_n = z.shape
+    size_k, tiles_n = trellis.shape[0] * 16, trellis.shape[1]
+    rate = rate_constants(bits, "mul1")
+    if rate["G"] != 1 or rows > 2 or slice_size % (16 * kt) or tiles_n % bnt:
+        raise ValueError(f"the int8 study serves 4 and 8 bits at <= 2 rows, slices of whole steps (bits {bits})")
+    slices = size_k // slice_size
+    mul1_int8_kernel[(tiles_n // bnt, splits)](
+        a_op, fs, words(trellis), z, rows, size_k, tiles_n, slices, -(-slices // splits), z.stride(0),
+        KA=rate["KA"], HALF=rate["HALF"], W32=rate["W32"], KT=kt, BNT=bnt, SLICE_STEPS=slice_size // (16 * kt), BM=16,
+        num_warps=WARPS,
+    )
+
+
 def mul1_int8_z(u: torch.Tensor, trellis: torch.Tensor, bits: float, slice_size: int = SLICE,
                 kt: int = STEP_TILE_ROWS, bnt: int = BLOCK_N_TILES, splits: int = 1,
                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """z fp32 [M, n] = u_q · Ŵ_affine (before the output Hadamard) through the Triton kernel. scale: fs instead of
     q·k_inv (the tests pass ones to read the exact integer sums)."""
     rows, size_k = u.shape
-    tiles_n = trellis.shape[1]
-    rate = rate_constants(bits, "mul1")
-    if rate["G"] != 1 or rows > 2 or slice_size % (16 * kt) or tiles_n % bnt:
-        raise ValueError(f"the int8 study serves 4 and 8 bits at <= 2 rows, slices of whole steps (bits {bits})")
     v, q = quantize(u, slice_size)
     fs = (q * K_INV if scale is None else scale).float().contiguous()
-    slices = size_k // slice_size
-    per_split = -(-slices // splits)
-    z = torch.empty(splits, rows, tiles_n * 16, dtype=torch.float32, device=u.device)
-    mul1_int8_kernel[(tiles_n // bnt, splits)](
-        activation_operand(v), fs, words(trellis), z, rows, size_k, tiles_n, slices, per_split, z.stride(0),
-        KA=rate["KA"], HALF=rate["HALF"], W32=rate["W32"], KT=kt, BNT=bnt, SLICE_STEPS=slice_size // (16 * kt), BM=16,
-        num_warps=WARPS,
-    )
+    z = torch.empty(splits, rows, trellis.shape[1] * 16, dtype=torch.float32, device=u.device)
+    mul1_int8_partials(activation_operand(v), fs, trellis, bits, z, slice_size, kt, bnt)
     z = z.sum(0)
     if scale is None:  # the bytes' offset: q·(3/256)·Σ v per slice, the same for every column
-        z += (q * (SIGNED_OFFSET * v.float().reshape(rows, slices, -1).sum(-1))).sum(-1, keepdim=True)
+        z += (q * (SIGNED_OFFSET * v.float().reshape(rows, size_k // slice_size, -1).sum(-1))).sum(-1, keepdim=True)
     return z
 
 
