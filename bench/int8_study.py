@@ -15,6 +15,8 @@ The loop counted is the first backward branch (bench/sass_loop.py): the int8 ker
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import sys
 from pathlib import Path
 
@@ -72,12 +74,47 @@ def cuda(args) -> None:
               f"{count / weights:5.2f} per weight  " + " ".join(f"{op} {n}" for op, n in ops.most_common(30)))
 
 
+def loop_ir(llir: str) -> collections.Counter:
+    """Opcodes of the first loop in LLVM IR (the blocks from a branch's earlier target to the branch): a proxy for
+    the K loop's cost before Intel's graphics compiler, which this box cannot run."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in llir.split("\n"):
+        label = re.match(r"^([\w.]+):", line)
+        if label:
+            blocks.append((label.group(1), []))
+        elif blocks and line.startswith("  "):
+            blocks[-1][1].append(line.strip())
+    index = {name: i for i, (name, _) in enumerate(blocks)}
+    for i, (_, body) in enumerate(blocks):
+        targets = [index[t] for t in re.findall(r"label %([\w.]+)", body[-1] if body else "") if t in index]
+        if any(t <= i for t in targets):
+            ops = collections.Counter()
+            for _, lines in blocks[min(targets):i + 1]:
+                for text in lines:
+                    op = re.sub(r"^%\S+ = ", "", text).split()[0]
+                    ops[op + (" addrspace(3)" if op in ("load", "store") and "addrspace(3)" in text else "")] += 1
+            return ops
+    return collections.Counter()
+
+
 def xpu(args) -> None:
+    import sass_loop
+
     compile_kernels.BACKEND[0] = "xpu"
     compile_kernels.offline_intel_backend()
     print(f"Triton {triton.__version__} ({triton.__file__}), target {compile_kernels.TARGETS['xpu']}")
+    sass_loop.TARGETS = {"cuda": compile_kernels.TARGETS["xpu"]}  # its compile, for Intel's target
+    served = sass_loop.compile_fused(4, "mul1", dict(FRAG=0, PF=False), {})  # ring order on XPU (fragment_order)
+    ops = loop_ir(served.asm["llir"])
+    per_item = 16 * 1 * 128 // (4 * 16)  # KT 1, 128 columns, 4 sub-groups of 16
+    print(f"served exact (ring order): {sum(ops.values())} LLVM IR ops in the K loop / {per_item} weights per "
+          f"work-item = {sum(ops.values()) / per_item:.2f}  " + " ".join(f"{o} {n}" for o, n in ops.most_common(16)))
     for bnt, kt in VARIANTS:
         kernel = compile_int8(bnt, kt, compile_kernels.TARGETS["xpu"], {}, args.aligned)
+        ops = loop_ir(kernel.asm["llir"])
+        per_item = 16 * kt * 16 * bnt // (4 * 16)
+        print(f"int8 BNT {bnt} KT {kt}: {sum(ops.values())} LLVM IR ops in the K loop / {per_item} weights per "
+              f"work-item = {sum(ops.values()) / per_item:.2f}  " + " ".join(f"{o} {n}" for o, n in ops.most_common(16)))
         ttgir = kernel.asm["ttgir"]
         dpas = ttgir[ttgir.find("#triton_intel_gpu.dpas<"):].split(">")[0] if "dpas<" in ttgir else "NO DPAS layout"
         staged = [line.split("->")[-1].split("loc(")[0].strip() for line in ttgir.splitlines() if "ttg.local_load" in line]
