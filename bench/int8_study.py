@@ -8,6 +8,7 @@ and its accuracy on random mul1 layers (relative error of y against fp64 x·W, b
     PYTHONPATH=.venv/triton-xpu python3 -P bench/int8_study.py --xpu
     python3 -P bench/int8_study.py --accuracy           # emulation only (torch, CPU)
     python3 -P bench/int8_study.py --time               # on a GPU: the int8 kernel alone vs the served bound linear
+    python3 -P bench/int8_study.py --kl DIR ORACLE      # a tiny llama fixture (untarred) + its oracle_logits
 
 The loop counted is the first backward branch (bench/sass_loop.py): the int8 kernel's inner loop over a slice's steps.
 """
@@ -183,6 +184,84 @@ def time_kernels(args) -> None:
             print(f"{size_k}x{size_n} mul1 K4 M {rows} (µs eager / graph): " + "  ".join(cells), flush=True)
 
 
+def kl_llama(args) -> None:
+    """Teacher-forced logits of a tiny Llama EXL3 fixture in plain torch, every linear through the fp32 reference
+    (the baseline), the fp16 input path (u rounded to fp16, exact Ŵ), or int8 activations (exllamav3's numerics on the
+    layers its int8 GEMV takes: n % 256 == 0, K <= 6; rows quantized one by one, so a teacher-forced pass is what
+    decoding one token at a time computes). Mean KL(fp32 || mode) and KL(exllamav3's logits || mode) per sequence."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from exl3local.kernels import reference
+    from exl3local.kernels.hadamard import hadamard_128
+
+    def had(v):
+        return (v.double().reshape(-1, 128) @ hadamard_128().double()).reshape(v.shape)
+
+    config = json.loads((Path(args.kl[0]) / "config.json").read_text())
+    t = load_file(Path(args.kl[0]) / "model.safetensors")
+    oracle = load_file(args.kl[1])
+    heads, kv_heads, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    w_hat = {}
+
+    def linear(name, x, mode):
+        trellis, suh, svh = (t[f"{name}.{k}"] for k in ("trellis", "suh", "svh"))
+        bits = trellis.shape[-1] / 16
+        if name not in w_hat:
+            w_hat[name] = reference.decode_trellis(trellis, bits, "mul1")
+        if mode == "fp32":
+            return reference.linear(x.float(), trellis, suh, svh, bits, "mul1")
+        u = had((x.half() * suh).float()).half()
+        if mode.startswith("int8") and svh.shape[0] % 256 == 0 and bits <= 6:
+            z = triton_int8.emulate_z(u, w_hat[name], int(mode.split("/")[1]))
+        else:
+            z = u.double() @ w_hat[name].double()
+        return (had(z) * svh.double()).float()
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]) * weight.float()
+
+    def rope(x, length):
+        inv = config["rope_parameters"]["rope_theta"] ** (-torch.arange(0, dim, 2).double() / dim)
+        angle = torch.arange(length).double()[:, None] * inv[None, :]
+        cos, sin = torch.cat([angle.cos()] * 2, -1).float(), torch.cat([angle.sin()] * 2, -1).float()
+        return x * cos + torch.cat([-x[..., dim // 2:], x[..., : dim // 2]], -1) * sin
+
+    def forward(ids, mode):
+        length = len(ids)
+        x = t["model.embed_tokens.weight"][ids].float()
+        mask = torch.full((length, length), float("-inf")).triu(1)
+        for layer in range(config["num_hidden_layers"]):
+            p = f"model.layers.{layer}"
+            h = norm(x, t[f"{p}.input_layernorm.weight"])
+            q, k, v = (linear(f"{p}.self_attn.{n}_proj", h, mode).reshape(length, -1, dim).transpose(0, 1)
+                       for n in "qkv")
+            q, k = rope(q, length), rope(k, length)
+            k, v = (a.repeat_interleave(heads // kv_heads, 0) for a in (k, v))
+            attn = torch.softmax(q @ k.transpose(1, 2) / dim ** 0.5 + mask, -1) @ v
+            x = x + linear(f"{p}.self_attn.o_proj", attn.transpose(0, 1).reshape(length, -1), mode)
+            h = norm(x, t[f"{p}.post_attention_layernorm.weight"])
+            gate = linear(f"{p}.mlp.gate_proj", h, mode)
+            x = x + linear(f"{p}.mlp.down_proj", torch.nn.functional.silu(gate) * linear(f"{p}.mlp.up_proj", h, mode),
+                           mode)
+        return linear("lm_head", norm(x, t["model.norm.weight"]), mode).log_softmax(-1)
+
+    def kl(p_log, q_log):
+        return (p_log.exp() * (p_log - q_log)).sum(-1).mean().item()
+
+    for seq in sorted({k.split(".")[0] for k in oracle}):
+        ids = oracle[f"{seq}.input_ids"]
+        exl3 = oracle[f"{seq}.logits"].float().log_softmax(-1)
+        base = forward(ids, "fp32")
+        cells = [f"exllamav3 logits: KL(fp32||·) {kl(base, exl3):.2e}"]
+        for mode in ("fp16", "int8/128", "int8/256"):  # 768-input layers: slices must divide k
+            out = forward(ids, mode)
+            cells.append(f"{mode}: KL(fp32||·) {kl(base, out):.2e}, KL(exl3||·) {kl(exl3, out):.2e}")
+        print(f"{Path(args.kl[0]).name} {seq}: " + "; ".join(cells), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--xpu", action="store_true", help="compile for Intel's XPU backend instead of sm_90")
@@ -192,8 +271,9 @@ def main() -> int:
     parser.add_argument("--time", action="store_true", help="time the int8 kernel and the served linear (GPU)")
     parser.add_argument("--shapes", default="5120x17408,17408x5120,5120x5120", help="--time: k x n, comma-separated")
     parser.add_argument("--splits", default="1,2,4,8", help="--time: the int8 kernel's K splits")
+    parser.add_argument("--kl", nargs=2, metavar=("MODEL_DIR", "ORACLE"), help="KL on a tiny Llama fixture")
     args = parser.parse_args()
-    (time_kernels if args.time else accuracy if args.accuracy else xpu if args.xpu else cuda)(args)
+    (kl_llama if args.kl else time_kernels if args.time else accuracy if args.accuracy else xpu if args.xpu else cuda)(args)
     return 0
 
 
