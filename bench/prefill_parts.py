@@ -5,9 +5,9 @@ pieces: per (k, parts) of the 27B's fused layers (in_proj_qkvz and gate_up: 2 pa
     triton_hadamard._input_kernel PARTS) at RB 1 / 2 / 4 row blocks per program; u bit-equal to the parts' own checked;
 steps: whole 27B steps (bench/model_step.py's) at --step-rows, eager ms: served, rb4 (the shared transform at 4 row
     blocks per program: bound_reconstruct.PARTS_ROW_BLOCKS), per_part (each part its own transform, as before session
-    19), gate_up_bmm (two W_r parts of one shape in one batched matmul: batched_rebuilt), exllamav3, served again,
-    exllamav3 again. (s19a timed an order variant and s19b the rebuild's HALVES here:
-    both removed, docs/PERF.md "Session 19".)
+    19), per_part_mm (gate and up in a matmul each, not one batched matmul: bound_reconstruct.BATCHED_PARTS; s19c timed
+    the batched one as a bench-side swap, gate_up_bmm), exllamav3, served again, exllamav3 again. (s19a timed an order
+    variant and s19b the rebuild's HALVES here: both removed, docs/PERF.md "Session 19".)
 
     python3 -P bench/prefill_parts.py --out $OUT        # on the H200 (source bench/device-setup.sh first)
 """
@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -30,8 +29,6 @@ from model_step import eager_steps, patched_step  # noqa: E402
 from step_timing import graph_us, log  # noqa: E402
 
 from exl3local.kernels import bound_reconstruct  # noqa: E402
-from exl3local.kernels.bound import BoundLinear  # noqa: E402
-from exl3local.kernels.triton_gemm import hadamard_on_y  # noqa: E402
 from exl3local.kernels.bound_reconstruct import InputLaunch  # noqa: E402
 
 
@@ -69,24 +66,6 @@ def pieces(rows: int, deadline: float) -> list[dict]:
     return results
 
 
-def batched_rebuilt(layer, x: torch.Tensor) -> torch.Tensor:
-    """BoundLinear.rebuilt for two W_r parts of one shape (gate/up), bench-only: both weights rebuilt into one
-    buffer and one batched matmul writing both parts' columns of y in place (the grid of one GEMM of twice the tiles:
-    does a 17408-wide part's last partial wave of tiles cost the step anything?)."""
-    x2d = x.reshape(-1, x.shape[-1])
-    rows, (first, _) = x2d.shape[0], layer.rebuilds
-    if hadamard_on_y(rows, first.size_k, x.device) or x.dtype != torch.float16:
-        return BoundLinear.rebuilt(layer, x)
-    u = layer.rebuild_input(x2d)
-    w = torch.empty(2, first.size_k, first.size_n, dtype=torch.float16, device=x.device)
-    stream = first.stream()
-    for i, part in enumerate(layer.rebuilds):
-        part.rebuild(part.rebuild_grid, stream, (), part.rebuild_fixed, (w[i],), (w[i].data_ptr(),))
-    y = torch.empty(rows, 2 * first.size_n, dtype=x.dtype, device=x.device)
-    torch.bmm(u, w, out=y.view(rows, 2, first.size_n).transpose(0, 1))
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
-
-
 def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[dict]:
     def variants(ours, theirs, layers, row):
         linears = [obj.ours for ops in layers for kind, obj, _ in ops if kind == "linear"]
@@ -98,19 +77,10 @@ def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[
                 layer.rebuild_input = None
             return lambda: [setattr(layer, "rebuild_input", shared) for layer, shared in saved]
 
-        def batched():
-            pairs = [layer for layer in linears if layer.rebuild_input is not None and len(layer.parts) == 2
-                     and layer.bias is None and len({(r.size_k, r.size_n, out) for r, (*_, out)
-                                                     in zip(layer.rebuilds, layer.parts)}) == 1
-                     and layer.parts[0][4] == layer.rebuilds[0].size_n]
-            row["batched_layers"] = len(pairs)
-            for layer in pairs:
-                layer.rebuilt = types.MethodType(batched_rebuilt, layer)
-            return lambda: [delattr(layer, "rebuilt") for layer in pairs]
-
         # exllamav3 twice, around our last timing: the spread of repeated timings on one side
         return (("served", ours), ("rb4", patched_step(ours, setting(bound_reconstruct, "PARTS_ROW_BLOCKS", 4))),
-                ("per_part", patched_step(ours, per_part)), ("gate_up_bmm", patched_step(ours, batched)),
+                ("per_part", patched_step(ours, per_part)),
+                ("per_part_mm", patched_step(ours, setting(bound_reconstruct, "BATCHED_PARTS", False))),
                 ("exl3", theirs), ("again", ours), ("exl3_again", theirs))
 
     return eager_steps(exl3, rows_list, deadline, variants)

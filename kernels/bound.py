@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from exl3local.kernels.bound_group import group_launch
-from exl3local.kernels.bound_reconstruct import reconstruct_parts
+from exl3local.kernels.bound_reconstruct import parts_into, reconstruct_parts
 from exl3local.kernels.fused_launch import MAX_ROWS, FusedLaunch
 # Re-exported: the self-test (kernels/selftest*.py) and tests import them from here.
 from exl3local.kernels.fused_launch import tiled_max_rows  # noqa: F401
@@ -90,18 +90,15 @@ class BoundLinear:
 
     def rebuilt(self, x: torch.Tensor) -> torch.Tensor:
         """More rows than the bound launches serve, Triton parts: the reconstruct path bound per part
-        (kernels/bound_reconstruct.py), the same bits as `unfused`."""
+        (kernels/bound_reconstruct.py), the same bits as `unfused` (parts of one shape in one batched matmul: within
+        fp32 accumulation noise of it, bound_reconstruct.BATCHED_PARTS)."""
         if self.rebuilds is None:
             self.rebuilds, self.rebuild_input = reconstruct_parts(self.parts, self.in_features)
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.stride(-1) != 1:
             x2d = x2d.contiguous()
         y = torch.empty(x2d.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        u = self.rebuild_input(x2d) if self.rebuild_input is not None else None  # x read once for every part
-        start = 0
-        for i, (rebuild, (*_, out)) in enumerate(zip(self.rebuilds, self.parts)):
-            rebuild.into(x2d, y, start, out, None if u is None else u[i])
-            start += out
+        parts_into(self.rebuilds, self.rebuild_input, x2d, y, [part[4] for part in self.parts])
         y = y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 

@@ -13,7 +13,7 @@ docs/PERF.md "Session 8").
 
 A fused layer's parts sharing x (q/k/v, gate/up, in_proj_qkvz) transform it in one launch (InputLaunch over their
 suh stacked, triton_hadamard._input_kernel's PARTS): each block of x read once for every part, each part's u the same
-bits as its own launch would write.
+bits as its own launch would write. Parts of one shape (gate/up) on W_r then take one batched matmul (parts_into).
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ OUTPUT_VARYING = ("z_ptr", "y_ptr", "M", "stride_ym", "n_valid")
 # "Session 19"), RB 1 / 2 / 4: two parts 58.0 / 52.3 / 59.7, three 66.0 / 66.6 / 78.3 (each part its own launch at RB
 # 4: 71.5, 110.0 in all).
 PARTS_ROW_BLOCKS = 2
+# Parts of one shape (gate/up), fp16 output, on W_r: both weights rebuilt into one buffer (twice one part's transient
+# memory) and one batched matmul writing each part's columns of y in place, so the vendor GEMM's grid covers every
+# part's tiles (one last partial wave, not one per part). H200, 27B step at 4096 rows, eager (h200-s19c, docs/PERF.md
+# "Session 19"): 354.74 ms against 357.36 / 356.46 per part (exllamav3 353.95 / 353.97). The same products through
+# another GEMM kernel: within fp32 accumulation noise of the per-part path, not its bits. Arc unmeasured.
+BATCHED_PARTS = True
 
 
 class InputLaunch:
@@ -133,3 +139,26 @@ def reconstruct_parts(parts, in_features: int) -> tuple[list[ReconstructLaunch],
         return launches, None
     suh = torch.stack([part[2] for part in parts])
     return launches, InputLaunch(suh, launches[0].size_k, in_features, suh.device, len(launches))
+
+
+def parts_into(launches: list[ReconstructLaunch], shared: InputLaunch | None, x: torch.Tensor, y: torch.Tensor,
+               outs: list[int]) -> None:
+    """y = x·W of every part side by side (outs: each part's out_features), through `shared` (reconstruct_parts'
+    InputLaunch) where the layer has one; parts of one shape with every column kept, fp16 y and the W_r form take
+    one batched matmul (BATCHED_PARTS)."""
+    u = shared(x) if shared is not None else None
+    first = launches[0]
+    shape = (first.size_k, first.size_n, first.size_n)
+    if u is not None and BATCHED_PARTS and y.dtype == torch.float16 and \
+            not hadamard_on_y(x.shape[0], first.size_k, x.device) and \
+            all((part.size_k, part.size_n, out) == shape for part, out in zip(launches, outs)):
+        w = torch.empty(len(launches), first.size_k, first.size_n, dtype=torch.float16, device=x.device)
+        stream = first.stream()
+        for part, w_part in zip(launches, w):
+            part.rebuild(part.rebuild_grid, stream, (), part.rebuild_fixed, (w_part,), (w_part.data_ptr(),))
+        torch.bmm(u, w, out=y.view(x.shape[0], len(launches), first.size_n).transpose(0, 1))
+        return
+    start = 0
+    for i, (part, out) in enumerate(zip(launches, outs)):
+        part.into(x, y, start, out, None if u is None else u[i])
+        start += out

@@ -184,6 +184,28 @@ def test_three_parts_share_one_input_transform_on_the_reconstruct_path(monkeypat
     assert layer.rebuild_input.parts == 3
 
 
+def test_parts_of_one_shape_take_one_batched_matmul_on_w_r(monkeypatch, make_layer, relative_error, kernel_device):
+    """gate/up-like parts (one shape, every column kept) with an fp16 output on the W_r form: both weights rebuilt into
+    one buffer and one batched matmul writing each part's columns (bound_reconstruct.BATCHED_PARTS; no per-part call),
+    the per-part path's products within fp32 accumulation noise (another GEMM kernel on a GPU; the fp16 outputs may
+    differ by an ulp where the fp32 sums straddle a rounding boundary)."""
+    from exl3local.kernels import bound_reconstruct
+
+    monkeypatch.setattr(triton_gemm, "HY_MAX_ROWS", 16)
+    parts = []
+    for seed in range(2):
+        trellis, suh, svh = make_layer(128, 128, 4, "mul1", seed=50 + seed)
+        parts.append((prepare(KernelSpec(128, 128, 4, "mul1", torch.float16), kernel_device, "triton"), trellis, suh,
+                      svh, 128))
+    layer = BoundLinear(parts, 128)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(50)).to(kernel_device).half()
+    per_part = layer.unfused(x)
+    monkeypatch.setattr(bound_reconstruct.ReconstructLaunch, "into", lambda *a: pytest.fail("a per-part call"))
+    y = layer(x)
+    assert relative_error(y, per_part) < 1e-3
+    assert relative_error(y[:, 128:], per_part[:, 128:]) < 1e-3  # each part in its own columns
+
+
 @pytest.mark.parametrize("codebook,bits,rows,splits", [("mul1", 4, 20, 2), ("3inst", 3, 70, 1), ("mul1", 2.5, 17, 2)])
 def test_tiled_rows_match_emulation(monkeypatch, make_layer, emulate, relative_error, kernel_device, codebook, bits,
                                     rows, splits):
