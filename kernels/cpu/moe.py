@@ -1,7 +1,8 @@
 """Routed experts on the CPU, not a Python loop over experts: every (token, expert) unit of a decode or verify step
 in two library calls (gate and up of all units together, then down); a grouped step (a few to a hundred tokens)
 likewise, its rows binned by expert: experts with up to ops.gemv_max_rows rows (where the GEMV beats the GEMM path:
-15-24 on the AVX-512 and AVX2 tiers without AMX, 8 with AMX, 3 on the portable tier) as units (each decoded weight
+24 on the AVX2 tiers and Intel's AVX-512 CPUs without AMX, 8 with AMX, 3 on the portable tier; before the own GEMM
+MOE_UNIT_ROWS_OWN_GEMM) as units (each decoded weight
 serves all of the expert's rows), busier experts one at a time through CpuLinear's GEMM path.
 
     experts = CpuExperts(w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, proj)   # once per layer
@@ -20,6 +21,12 @@ import torch.nn.functional as F
 from exl3local.kernels.cpu import ops
 from exl3local.kernels.cpu.ops import CpuLinear
 
+# Units up to this many rows where the own GEMM serves past the GEMV (ops.GEMV_MAX_ROWS_OWN_GEMM, 5 since session 19):
+# an expert taken out of the units is a CpuLinear call of its own. At the fixtures' and a 30B-A3B layer's expert sizes
+# (bench/cpu_moe_units.py, Zen 4, 1 thread; its rounds vary by ~10 %): units up to 5 rows took 1.10-1.20x the time of
+# units up to 8 at 16-32 tokens, units up to 15 took 1.19x at 128 tokens (42 experts with 9-15 rows), even elsewhere.
+MOE_UNIT_ROWS_OWN_GEMM = 8
+
 
 class CpuExpertProjection:
     """One projection of every expert, stacked: trellis (E, k/16, n/16, w), suh (E, k), svh (E, n). A call runs
@@ -29,8 +36,9 @@ class CpuExpertProjection:
         if not trellis.is_contiguous():
             raise ValueError("the CPU kernel reads the expert trellises as stored: they must be contiguous")
         ops.bind_operands(self, ops.library(), trellis, trellis.shape[1], trellis.shape[2], suh, svh, bits, codebook)
-        # Rows up to which an expert runs as a unit of grouped(): where CpuLinear's GEMV would serve them too.
-        self.unit_rows = ops.gemv_max_rows(self.lib)
+        # Rows up to which an expert runs as a unit of grouped(): where CpuLinear's GEMV would serve them too, except
+        # before the own GEMM (MOE_UNIT_ROWS_OWN_GEMM).
+        self.unit_rows = MOE_UNIT_ROWS_OWN_GEMM if ops.own_gemm_serves(self.lib) else ops.gemv_max_rows(self.lib)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, x_div: int = 1) -> torch.Tensor:
         """Unit i = row x[i // x_div] through expert ids[i] (< 0: another rank's, its row stays zero):

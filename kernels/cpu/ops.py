@@ -39,9 +39,9 @@ GEMV_MAX_ROWS_PORTABLE = 3
 # (1-16 threads, session 17). MoE experts with as many rows run as units.
 GEMV_MAX_ROWS_SIMD = 24
 # The same where the GEMM path is the library's own (the avx512 tier on other CPUs than Intel's, own_gemm_serves): on
-# Zen 4 the GEMM path's time over the GEMV's was 1.02-1.10 at 15 rows and 0.88-0.94 at 16, at 1 and at 2 threads alike
-# (session 18); forced on Emerald Rapids (without its AMX), 16 rows 0.70-1.10 at 1-16 threads.
-GEMV_MAX_ROWS_OWN_GEMM = 15
+# Zen 4 the GEMM path's time over the GEMV's was 1.12-1.20 at 5 rows, 0.89-1.04 at 6 and 0.62-0.85 at 7, at 1 and 2
+# threads alike (session 19, since its panel decode got 3x cheaper; 15 rows in session 18).
+GEMV_MAX_ROWS_OWN_GEMM = 5
 # Rows up to which an int8 layer's GEMV takes int8 activations: its loop for more rows keeps the accumulators in memory
 # (as the exact loop did before session 16) and took 1.2-2.8x the exact GEMV's time at 4-8 rows (Emerald Rapids, 1-16
 # threads; slower at 2 rows on Zen 4 too), so from 2 rows an int8 layer runs the exact GEMV, up to gemv_max_rows.

@@ -129,7 +129,7 @@ def test_own_fp32_gemm_equals_the_blas_path(codebook, bits):
 
 
 def test_the_crossover_follows_the_gemm_path_past_it():
-    """The GEMV serves up to the row count where the GEMM path that takes over wins (ops.gemv_max_rows): 15 rows before
+    """The GEMV serves up to the row count where the GEMM path that takes over wins (ops.gemv_max_rows): 5 rows before
     the avx512 tier's own GEMM (CPUs other than Intel's, without AMX), 24 before decode-strip + BLAS, 8 before AMX,
     3 on the portable tier; a layer hands the next row count to the GEMM path."""
     trellis, suh, svh = _layer(256, 128, 4, "mul1")
