@@ -33,7 +33,9 @@ from exl3local.kernels.triton_decode import rate_constants  # noqa: E402
 
 INT8_ARGS = {"a_ptr": "*i8", "fs_ptr": "*fp32", "w_ptr": "*i32", "z_ptr": "*fp32", "M": "i32", "size_k": "i32",
              "tiles_n": "i32", "slices": "i32", "slices_per_split": "i32", "stride_zs": "i32"}
-VARIANTS = [(8, 2), (8, 1), (16, 1)]  # (BNT, KT)
+# (BNT, KT, KW): the default, the other operand order (KW), fewer rows per step, more columns per program
+VARIANTS = [(8, 2, triton_int8.KWIDTH), (8, 2, 12 - triton_int8.KWIDTH), (8, 1, triton_int8.KWIDTH),
+            (16, 1, triton_int8.KWIDTH)]
 ALIGNED_INTS = ("size_k", "tiles_n", "k_steps")
 
 
@@ -46,10 +48,10 @@ def aligned_source(fn, signature: dict[str, str], constants: dict) -> ASTSource:
     return ASTSource(fn, signature, constants, attrs)
 
 
-def compile_int8(bnt: int, kt: int, target, options: dict, aligned: bool):
+def compile_int8(bnt: int, kt: int, kw: int, target, options: dict, aligned: bool):
     rate = rate_constants(4, "mul1")
     constants = dict(KA=rate["KA"], HALF=rate["HALF"], W32=rate["W32"], KT=kt, BNT=bnt,
-                     SLICE_STEPS=triton_int8.SLICE // (16 * kt), BM=16)
+                     SLICE_STEPS=triton_int8.SLICE // (16 * kt), BM=16, KW=kw)
     signature = dict(INT8_ARGS, **{name: "constexpr" for name in constants})
     source = (aligned_source if aligned else ASTSource)(triton_int8.mul1_int8_kernel, signature, constants)
     return triton.compile(source, target=target, options=dict(num_warps=triton_int8.WARPS, num_stages=1, **options))
@@ -64,14 +66,14 @@ def cuda(args) -> None:
     print(f"Triton {triton.__version__}, sm_90, mul1 4 bits, 16 rows, aligned {args.aligned}")
     kt_served = sass_loop.triton_gemv.ring_dot_config(4)[1]
     rows = [("served exact", served, 16 * kt_served * 128 // 128)]
-    for bnt, kt in VARIANTS:
+    for bnt, kt, kw in VARIANTS:
         for cap in (int(c) for c in args.maxnreg.split(",")):
-            kernel = compile_int8(bnt, kt, compile_kernels.TARGETS["cuda"], {"maxnreg": cap} if cap else {},
+            kernel = compile_int8(bnt, kt, kw, compile_kernels.TARGETS["cuda"], {"maxnreg": cap} if cap else {},
                                   args.aligned)
-            rows.append((f"int8 BNT {bnt} KT {kt} cap {cap or '-'}", kernel, 16 * kt * 16 * bnt // 128))
+            rows.append((f"int8 BNT {bnt} KT {kt} KW {kw} cap {cap or '-'}", kernel, 16 * kt * 16 * bnt // 128))
     for name, kernel, weights in rows:
         regs, count, ops = sass_loop.loop_mix(kernel.asm["cubin"])
-        print(f"{name:26s}: {regs:3d} registers, {count:4d} loop instructions / {weights} weights per thread = "
+        print(f"{name:31s}: {regs:3d} registers, {count:4d} loop instructions / {weights} weights per thread = "
               f"{count / weights:5.2f} per weight  " + " ".join(f"{op} {n}" for op, n in ops.most_common(30)))
 
 
@@ -110,16 +112,16 @@ def xpu(args) -> None:
     per_item = 16 * 1 * 128 // (4 * 16)  # KT 1, 128 columns, 4 sub-groups of 16
     print(f"served exact (ring order): {sum(ops.values())} LLVM IR ops in the K loop / {per_item} weights per "
           f"work-item = {sum(ops.values()) / per_item:.2f}  " + " ".join(f"{o} {n}" for o, n in ops.most_common(16)))
-    for bnt, kt in VARIANTS:
-        kernel = compile_int8(bnt, kt, compile_kernels.TARGETS["xpu"], {}, args.aligned)
+    for bnt, kt, kw in VARIANTS:
+        kernel = compile_int8(bnt, kt, kw, compile_kernels.TARGETS["xpu"], {}, args.aligned)
         ops = loop_ir(kernel.asm["llir"])
         per_item = 16 * kt * 16 * bnt // (4 * 16)
-        print(f"int8 BNT {bnt} KT {kt}: {sum(ops.values())} LLVM IR ops in the K loop / {per_item} weights per "
+        print(f"int8 BNT {bnt} KT {kt} KW {kw}: {sum(ops.values())} LLVM IR ops in the K loop / {per_item} weights per "
               f"work-item = {sum(ops.values()) / per_item:.2f}  " + " ".join(f"{o} {n}" for o, n in ops.most_common(16)))
         ttgir = kernel.asm["ttgir"]
         dpas = ttgir[ttgir.find("#triton_intel_gpu.dpas<"):].split(">")[0] if "dpas<" in ttgir else "NO DPAS layout"
         staged = [line.split("->")[-1].split("loc(")[0].strip() for line in ttgir.splitlines() if "ttg.local_load" in line]
-        print(f"int8 BNT {bnt} KT {kt}: SPIR-V {len(kernel.asm['spv'])} bytes, {dpas}>; "
+        print(f"int8 BNT {bnt} KT {kt} KW {kw}: SPIR-V {len(kernel.asm['spv'])} bytes, {dpas}>; "
               f"operands through shared local memory: {staged or 'none'}; "
               f"i8 matrix_mad_k32 (DPAS) mentions in LLVM IR: {kernel.asm['llir'].count('i8_matrix_mad_k32')}")
 

@@ -41,6 +41,10 @@ SIGNED_OFFSET = 1536 * K_INV + K_BIAS  # 3/256: 1024 from the fp16 bias plus 512
 # BNT 8 / KT 1 62, 7.2. The default keeps registers near the served exact kernel's 56.
 BLOCK_N_TILES = 8
 STEP_TILE_ROWS = 2
+# k' per lane of the int8 B operand (KW): 4 with Triton 3.9 (its mma v2 int8 operand; the other order costs 32 SHFL and
+# 64 SEL per step, 9.4 against 6.4 instructions per weight: bench/int8_study.py); 8 for Triton before 3.8 is a guess by analogy with triton_decode.FRAGMENT_KWIDTH (its
+# fp16 operand is twice as wide there): the H200's 3.6 can tell (bench/int8_study.py prints both). Sums agree (tests).
+KWIDTH = 8 if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8) else 4
 WARPS = 4
 # exllamav3's slice at k = 512 on an H200 (spec §5: at least 256 inputs); finer slices only lower the error.
 SLICE = 256
@@ -63,7 +67,7 @@ def _byte(p, i: tl.constexpr):
 
 @triton.jit
 def signed_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, KA: tl.constexpr, HALF: tl.constexpr,
-                   W32: tl.constexpr):
+                   W32: tl.constexpr, KW: tl.constexpr):
     """B' int8 [64·KT, 16·BNT] of KT×BNT tiles: row 4·r' + i is signed byte i of position row r' (r' in K' order: see
     activation_operand), columns in fragment order (fragment_cols)."""
     # [KT, 8, 32, j2, j1, j0] as triton_decode._ring_positions joins them
@@ -72,9 +76,14 @@ def signed_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, K
                 tl.join(_hashed(row_base, tile_off, s, 1, KA, HALF, W32, KT, BNT),
                         _hashed(row_base, tile_off, s, 3, KA, HALF, W32, KT, BNT)))
     x = tl.join(tl.join(_byte(p, 0), _byte(p, 2)), tl.join(_byte(p, 1), _byte(p, 3)))
-    # [KT, tile>>2, tile&3, t>>2, t&3, j2, j1, j0, i1, i0] -> [KT, K_ORDER, i1, i0 | tile>>2, j2, tile&3, t>>2]
+    # [KT, tile>>2, tile&3, t>>2, t&3, j2, j1, j0, i1, i0] -> [KT, (j1, j0, t&3) or (j1, t&3, j0), i1, i0 | tile>>2, j2,
+    # tile&3, t>>2]: a lane's k' within a 32-wide k block are 4·(t&3) + byte and 16 + 4·(t&3) + byte (the int8 mma B
+    # fragment) when the operand holds 4 consecutive k' per lane (KW 4), 8·(t&3) + 4·j0 + byte when it holds 8 (KW 8)
     x = tl.reshape(x, (KT, BNT // 4, 4, 8, 4, 2, 2, 2, 2, 2))
-    x = tl.permute(x, (0, 6, 7, 4, 8, 9, 1, 5, 2, 3))
+    if KW == 4:
+        x = tl.permute(x, (0, 6, 7, 4, 8, 9, 1, 5, 2, 3))
+    else:
+        x = tl.permute(x, (0, 6, 4, 7, 8, 9, 1, 5, 2, 3))
     return tl.reshape(x, (64 * KT, 16 * BNT))
 
 
@@ -84,7 +93,7 @@ def signed_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, K
 @triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["w_ptr"])
 def mul1_int8_kernel(a_ptr, fs_ptr, w_ptr, z_ptr, M, size_k, tiles_n, slices, slices_per_split, stride_zs,
                      KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, KT: tl.constexpr, BNT: tl.constexpr,
-                     SLICE_STEPS: tl.constexpr, BM: tl.constexpr):
+                     SLICE_STEPS: tl.constexpr, BM: tl.constexpr, KW: tl.constexpr):
     """z partial [split, M, 16·BNT columns of block pid 0] fp32 = Σ over the split's slices of fs · (A' · B')."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -100,9 +109,9 @@ def mul1_int8_kernel(a_ptr, fs_ptr, w_ptr, z_ptr, M, size_k, tiles_n, slices, sl
     for sl in range(slice0, tl.minimum(slice0 + slices_per_split, slices)):
         exact = tl.zeros((BM, 16 * BNT), dtype=tl.int32)
         for _ in range(SLICE_STEPS):
-            b = signed_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32)
+            b = signed_operand(row_base, tile_off, s, KT, BNT, KA, HALF, W32, KW)
             # the two rows as vectors and the 16-row tile built in registers: a [BM, 64·KT] load masked by row
-            # was byte loads and byte stores to shared memory (sm_90: 8.6 against 7.2 instructions per weight)
+            # was byte loads and byte stores to shared memory (sm_90, KT 1: 8.6 against 7.2 instructions per weight)
             a0 = tl.load(a_ptrs)
             a1 = tl.load(a_ptrs + 4 * size_k, mask=(kk * 0 + M) > 1, other=0)  # a tensor mask: the interpreter's too
             a = tl.where(rm[:, None] == 0, a0[None, :], tl.where(rm[:, None] == 1, a1[None, :], 0)).to(tl.int8)
@@ -129,22 +138,27 @@ def quantize(u: torch.Tensor, slice_size: int = SLICE) -> tuple[torch.Tensor, to
     return v.reshape(rows, size_k), q
 
 
-def operand_rows(size_k: int) -> torch.Tensor:
+def operand_rows(size_k: int, kwidth: int = KWIDTH) -> torch.Tensor:
     """Natural k of each of the 4K operand columns (int64 [4K]): per tile row the K' axes of signed_operand
-    (j1, j0, t&3, byte), position row 8·j1 + 2(t&3) + j0 (triton_decode's ring placement), each k 4 times."""
-    j1, j0, a = torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(4), indexing="ij")
+    ((j1, j0, t&3) or (j1, t&3, j0), then the byte), position row 8·j1 + 2(t&3) + j0 (triton_decode's ring placement),
+    each k 4 times."""
+    if kwidth == 4:
+        j1, j0, a = torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(4), indexing="ij")
+    else:
+        j1, a, j0 = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(2), indexing="ij")
     row = (8 * j1 + 2 * a + j0).reshape(16, 1).expand(16, 4).reshape(64)
     tiles = torch.arange(size_k // 16).reshape(-1, 1) * 16
     return (tiles + row.reshape(1, 64)).reshape(-1)
 
 
-def activation_operand(v: torch.Tensor) -> torch.Tensor:
+def activation_operand(v: torch.Tensor, kwidth: int = KWIDTH) -> torch.Tensor:
     """A' int8 [M, 4K]: v in the kernel's K' order, each value 4 times (one per byte of p)."""
-    return v[:, operand_rows(v.shape[1]).to(v.device)].contiguous()
+    return v[:, operand_rows(v.shape[1], kwidth).to(v.device)].contiguous()
 
 
 def mul1_int8_partials(a_op: torch.Tensor, fs: torch.Tensor, trellis: torch.Tensor, bits: float, z: torch.Tensor,
-                       slice_size: int = SLICE, kt: int = STEP_TILE_ROWS, bnt: int = BLOCK_N_TILES) -> None:
+                       slice_size: int = SLICE, kt: int = STEP_TILE_ROWS, bnt: int = BLOCK_N_TILES,
+                       kwidth: int = KWIDTH) -> None:
     """The kernel alone: z [splits, M, n] fp32 = each split's Σ fs · (A' · B'), from A' (activation_operand) and fs
     [M, K/slice] (fp32); what a timing run measures."""
     splits, rows, size_n = z.shape
@@ -156,20 +170,20 @@ def mul1_int8_partials(a_op: torch.Tensor, fs: torch.Tensor, trellis: torch.Tens
     mul1_int8_kernel[(tiles_n // bnt, splits)](
         a_op, fs, words(trellis), z, rows, size_k, tiles_n, slices, -(-slices // splits), z.stride(0),
         KA=rate["KA"], HALF=rate["HALF"], W32=rate["W32"], KT=kt, BNT=bnt, SLICE_STEPS=slice_size // (16 * kt), BM=16,
-        num_warps=WARPS,
+        KW=kwidth, num_warps=WARPS,
     )
 
 
 def mul1_int8_z(u: torch.Tensor, trellis: torch.Tensor, bits: float, slice_size: int = SLICE,
                 kt: int = STEP_TILE_ROWS, bnt: int = BLOCK_N_TILES, splits: int = 1,
-                scale: torch.Tensor | None = None) -> torch.Tensor:
+                scale: torch.Tensor | None = None, kwidth: int = KWIDTH) -> torch.Tensor:
     """z fp32 [M, n] = u_q · Ŵ_affine (before the output Hadamard) through the Triton kernel. scale: fs instead of
     q·k_inv (the tests pass ones to read the exact integer sums)."""
     rows, size_k = u.shape
     v, q = quantize(u, slice_size)
     fs = (q * K_INV if scale is None else scale).float().contiguous()
     z = torch.empty(splits, rows, trellis.shape[1] * 16, dtype=torch.float32, device=u.device)
-    mul1_int8_partials(activation_operand(v), fs, trellis, bits, z, slice_size, kt, bnt)
+    mul1_int8_partials(activation_operand(v, kwidth), fs, trellis, bits, z, slice_size, kt, bnt, kwidth)
     z = z.sum(0)
     if scale is None:  # the bytes' offset: q·(3/256)·Σ v per slice, the same for every column
         z += (q * (SIGNED_OFFSET * v.float().reshape(rows, size_k // slice_size, -1).sum(-1))).sum(-1, keepdim=True)

@@ -59,11 +59,11 @@ def test_kernel_integer_sums_are_exact(make_layer, kernel_device, rows, splits, 
     assert torch.equal(z.cpu().double(), (v.cpu().long() @ signed.cpu()).double())
 
 
-@pytest.mark.parametrize("rows,kt,bnt", [(1, 2, 8), (2, 1, 16)])
-def test_kernel_matches_the_fp64_emulation(make_layer, kernel_device, relative_error, rows, kt, bnt):
+@pytest.mark.parametrize("rows,kt,bnt,kwidth", [(1, 2, 8, 4), (2, 1, 16, 8)])  # both operand orders
+def test_kernel_matches_the_fp64_emulation(make_layer, kernel_device, relative_error, rows, kt, bnt, kwidth):
     trellis, _, _ = make_layer(SIZE_K, SIZE_N, 4, "mul1", seed=3)
     u = _rows(rows, seed=rows, device=kernel_device)
-    z = triton_int8.mul1_int8_z(u, trellis, 4, kt=kt, bnt=bnt, splits=2)
+    z = triton_int8.mul1_int8_z(u, trellis, 4, kt=kt, bnt=bnt, splits=2, kwidth=kwidth)
     expected = triton_int8.emulate_z(u.cpu(), reference.decode_trellis(trellis, 4, "mul1").cpu())
     assert relative_error(z.cpu(), expected) < 1e-6
 
