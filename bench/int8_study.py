@@ -117,10 +117,12 @@ def xpu(args) -> None:
         ops = loop_ir(kernel.asm["llir"])
         per_item = 16 * kt * 16 * bnt // (4 * 16)
         print(f"int8 BNT {bnt} KT {kt} KW {kw}: {sum(ops.values())} LLVM IR ops in the K loop / {per_item} weights per "
-              f"work-item = {sum(ops.values()) / per_item:.2f}  " + " ".join(f"{o} {n}" for o, n in ops.most_common(16)))
+              f"work-item = {sum(ops.values()) / per_item:.2f}  "
+              + " ".join(f"{o} {n}" for o, n in ops.most_common(16)))
         ttgir = kernel.asm["ttgir"]
         dpas = ttgir[ttgir.find("#triton_intel_gpu.dpas<"):].split(">")[0] if "dpas<" in ttgir else "NO DPAS layout"
-        staged = [line.split("->")[-1].split("loc(")[0].strip() for line in ttgir.splitlines() if "ttg.local_load" in line]
+        staged = [line.split("->")[-1].split("loc(")[0].strip() for line in ttgir.splitlines()
+                  if "ttg.local_load" in line]
         print(f"int8 BNT {bnt} KT {kt} KW {kw}: SPIR-V {len(kernel.asm['spv'])} bytes, {dpas}>; "
               f"operands through shared local memory: {staged or 'none'}; "
               f"i8 matrix_mad_k32 (DPAS) mentions in LLVM IR: {kernel.asm['llir'].count('i8_matrix_mad_k32')}")
@@ -174,7 +176,8 @@ def time_kernels(args) -> None:
         bound = bound_linear(trellis, suh, svh, 4, "mul1")
         for rows in (1, 2):
             x = torch.randn(rows, size_k, device=DEVICE[0]).half()
-            cells = [f"served {timed(lambda: bound(x)):7.1f} / {timed(lambda: bound(x), graph=DEVICE[0] == 'cuda'):7.1f}"]
+            graph = DEVICE[0] == "cuda"
+            cells = [f"served {timed(lambda: bound(x)):7.1f} / {timed(lambda: bound(x), graph=graph):7.1f}"]
             v, q = triton_int8.quantize(x)
             a_op, fs = triton_int8.activation_operand(v), (q * triton_int8.K_INV).contiguous()
             for splits in (int(s) for s in args.splits.split(",")):
@@ -182,7 +185,7 @@ def time_kernels(args) -> None:
 
                 def run():
                     triton_int8.mul1_int8_partials(a_op, fs, trellis, 4, z)
-                cells.append(f"int8 x{splits} {timed(run):7.1f} / {timed(run, graph=DEVICE[0] == 'cuda'):7.1f}")
+                cells.append(f"int8 x{splits} {timed(run):7.1f} / {timed(run, graph=graph):7.1f}")
             print(f"{size_k}x{size_n} mul1 K4 M {rows} (µs eager / graph): " + "  ".join(cells), flush=True)
 
 
@@ -275,7 +278,8 @@ def main() -> int:
     parser.add_argument("--splits", default="1,2,4,8", help="--time: the int8 kernel's K splits")
     parser.add_argument("--kl", nargs=2, metavar=("MODEL_DIR", "ORACLE"), help="KL on a tiny Llama fixture")
     args = parser.parse_args()
-    (kl_llama if args.kl else time_kernels if args.time else accuracy if args.accuracy else xpu if args.xpu else cuda)(args)
+    mode = kl_llama if args.kl else time_kernels if args.time else accuracy if args.accuracy else xpu if args.xpu else cuda
+    mode(args)
     return 0
 
 

@@ -15,7 +15,9 @@ same quantity as exllamav3's, only the fp32 combination differs (below fp32 roun
 
 The point of the study is the decode's cost: whether the compiler puts the 4 bytes of one 32-bit p straight into the
 int8 matrix operand's register (an int8 mma B fragment and Xe2's DPAS int8 B operand both hold 4 consecutive K bytes
-per 32-bit register), leaving state extraction, one multiply and one xor per weight. bench/sass_int8.py counts it.
+per 32-bit register), leaving state extraction, one multiply and one xor per weight. bench/int8_study.py counts it:
+on sm_90 (Triton 3.9) it does (6.7 instructions per weight against the exact kernel's 10.9); Intel's backend (3.3)
+compiles it to int8 DPAS but stages both operands through shared local memory, B' at 4 bytes per weight.
 
 Layouts: the trellis as triton_decode reads it, 4 and 8 bits only (G = 1: a lane's 8 positions sit in whole words;
 the ring positions of a lane are an mma B fragment, triton_decode.fragment_operand). The activations arrive as
@@ -37,13 +39,14 @@ K_INV = 887 / 131072  # fp16 0x1EEE, exact
 K_BIAS = -1329 / 128  # fp16 0xC931, exact
 SIGNED_OFFSET = 1536 * K_INV + K_BIAS  # 3/256: 1024 from the fp16 bias plus 512 from the flipped top bits
 # Per program 16·BNT columns over 4 warps (each warp's B fragments: fragment_operand's layout), KT tile rows per K step.
-# sm_90 (Triton 3.9, bench/sass_int8.py): BNT 8 / KT 2 80 registers, 6.4 instructions per weight; BNT 16 / KT 1 112, 5.8;
-# BNT 8 / KT 1 62, 7.2. The default keeps registers near the served exact kernel's 56.
+# sm_90 (Triton 3.9, bench/int8_study.py), K loop: BNT 8 / KT 2 80 registers, 6.4 instructions per weight; BNT 16 / KT 1
+# 112, 5.8; BNT 8 / KT 1 62, 7.2. The default keeps registers nearer the served exact kernel's 56.
 BLOCK_N_TILES = 8
 STEP_TILE_ROWS = 2
 # k' per lane of the int8 B operand (KW): 4 with Triton 3.9 (its mma v2 int8 operand; the other order costs 32 SHFL and
-# 64 SEL per step, 9.4 against 6.4 instructions per weight: bench/int8_study.py); 8 for Triton before 3.8 is a guess by analogy with triton_decode.FRAGMENT_KWIDTH (its
-# fp16 operand is twice as wide there): the H200's 3.6 can tell (bench/int8_study.py prints both). Sums agree (tests).
+# 64 SEL per step, 9.4 against 6.4 instructions per weight: bench/int8_study.py); 8 for Triton before 3.8 is a guess by
+# analogy with triton_decode.FRAGMENT_KWIDTH (its fp16 operand is twice as wide there): the H200's 3.6 can tell
+# (bench/int8_study.py prints both). Sums agree (tests).
 KWIDTH = 8 if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8) else 4
 WARPS = 4
 # exllamav3's slice at k = 512 on an H200 (spec §5: at least 256 inputs); finer slices only lower the error.
@@ -89,7 +92,7 @@ def signed_operand(row_base, tile_off, s, KT: tl.constexpr, BNT: tl.constexpr, K
 
 # w_ptr unaligned to the compiler: with a 16-byte aligned w_ptr (what a launch proves) the word loads vectorize 4 lanes
 # per thread, the B' operand no longer sits in the mma fragment's registers and goes through shared memory (sm_90, KT 2:
-# 6.84 against 6.41 instructions per weight; bench/sass_int8.py --aligned).
+# 6.84 against 6.41 instructions per weight; bench/int8_study.py --aligned).
 @triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["w_ptr"])
 def mul1_int8_kernel(a_ptr, fs_ptr, w_ptr, z_ptr, M, size_k, tiles_n, slices, slices_per_split, stride_zs,
                      KA: tl.constexpr, HALF: tl.constexpr, W32: tl.constexpr, KT: tl.constexpr, BNT: tl.constexpr,
