@@ -163,10 +163,13 @@ def accuracy(args) -> None:
 def time_kernels(args) -> None:
     """µs (do_bench median, then graph replay) of the int8 kernel alone (its A' and fs made beforehand: a served path
     would fuse the quantization into the input transform and add the output Hadamard) at several split counts, against
-    the served exact bound linear (input transform + fused K loop and epilogue) on the same layer."""
+    the served exact bound linear (input transform + fused K loop and epilogue) and its input transform alone (what the
+    served K loop's time is, less it) on the same layer."""
     import torch
     from kernels_common import bound_linear, make_layer, timed
     from step_timing import DEVICE
+
+    from exl3local.kernels.triton_hadamard import input_transform
 
     if not torch.cuda.is_available():
         DEVICE[0] = "cpu"  # the interpreter: checks the run, its times mean nothing
@@ -177,7 +180,9 @@ def time_kernels(args) -> None:
         for rows in (1, 2):
             x = torch.randn(rows, size_k, device=DEVICE[0]).half()
             graph = DEVICE[0] == "cuda"
-            cells = [f"served {timed(lambda: bound(x)):7.1f} / {timed(lambda: bound(x), graph=graph):7.1f}"]
+            cells = [f"served {timed(lambda: bound(x)):7.1f} / {timed(lambda: bound(x), graph=graph):7.1f}",
+                     f"its input transform {timed(lambda: input_transform(x, suh)):5.1f} / "
+                     f"{timed(lambda: input_transform(x, suh), graph=graph):5.1f}"]
             v, q = triton_int8.quantize(x)
             a_op, fs = triton_int8.activation_operand(v), (q * triton_int8.K_INV).contiguous()
             for splits in (int(s) for s in args.splits.split(",")):
