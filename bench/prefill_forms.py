@@ -9,6 +9,8 @@ steps: whole 27B steps (bench/model_step.py's) at the prefill rows, eager ms: se
 --profile: instead, one eager 27B step of each side at --step-rows under torch's profiler: device ms per kernel name
 (the largest), the sum of kernel time, and the wall time of the step (where a step's time goes beyond its parts'); and
 our step under cProfile: host ms per Python function (the largest), for where an eager step's host time goes.
+--profile-steps N: N back-to-back steps of each side under the profiler, no sync between them (as the eager timings run
+them), each side's sums divided by N: do repeated steps spend their time in kernels or between them?
 Session 14 also timed a Triton GEMM with the output Hadamard in its epilogue here (commit 064c623): it lost to both
 served forms at every part and row count (docs/PERF.md "Session 14") and was removed.
 
@@ -108,7 +110,7 @@ def steps(exl3: Exl3Side | None, rows_list: list[int], deadline: float) -> list[
     return eager_steps(exl3, rows_list, deadline, variants)
 
 
-def profile(exl3: Exl3Side | None, rows_list: list[int]) -> list[dict]:
+def profile(exl3: Exl3Side | None, rows_list: list[int], steps: int = 1) -> list[dict]:
     cfg, layers = build("27b", 4, "mul1", exl3)
     results = []
     for rows in rows_list:
@@ -120,17 +122,19 @@ def profile(exl3: Exl3Side | None, rows_list: list[int]) -> list[dict]:
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
-                fn()
+                for _ in range(steps):
+                    fn()
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - start
             kernels: dict[str, float] = {}
             for event in prof.events():
                 if event.device_type == torch.autograd.DeviceType.CUDA:
-                    kernels[event.name[:90]] = kernels.get(event.name[:90], 0.0) + event.time_range.elapsed_us() / 1e3
+                    name = event.name[:90]
+                    kernels[name] = kernels.get(name, 0.0) + event.time_range.elapsed_us() / 1e3 / steps
             top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:14])
-            row = dict(model="27b", rows=rows, side=side, wall_ms=round(wall * 1e3, 2),
+            row = dict(model="27b", rows=rows, side=side, steps=steps, wall_ms=round(wall * 1e3 / steps, 2),
                        kernel_ms=round(sum(kernels.values()), 2), top_ms={k: round(v, 2) for k, v in top.items()})
-            if side == "ours":
+            if side == "ours" and steps == 1:
                 row["host_top_ms"] = host_profile(fn)
             log(json.dumps(row))
             results.append(row)
@@ -160,6 +164,7 @@ def main() -> int:
     parser.add_argument("--parts-only", action="store_true")
     parser.add_argument("--steps-only", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=1)
     parser.add_argument("--no-exl3", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--deadline", type=float, default=0, help="epoch seconds after which cells are skipped")
@@ -171,7 +176,7 @@ def main() -> int:
     results = {}
     try:
         if args.profile:
-            results["profile"] = profile(exl3, [int(r) for r in args.step_rows.split(",")])
+            results["profile"] = profile(exl3, [int(r) for r in args.step_rows.split(",")], args.profile_steps)
         elif not args.steps_only:
             results["parts"] = parts(exl3, [int(r) for r in args.rows.split(",")], args.deadline)
         if not args.parts_only and not args.profile:
