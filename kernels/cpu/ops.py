@@ -244,11 +244,10 @@ class CpuLinear:
 
     def _gemm(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, threads: int,
               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Up to GEMM_ROWS rows per pass: the library's own GEMM (own_gemm: x in, the output out, u packed in the
-        workspace) or u = H(x ⊙ suh) in the workspace, then per strip of columns Ŵ decoded once, one BLAS matmul and
-        the output transform, the result cast into the output. Every fp32 intermediate lives in this thread's
-        workspace, so a prefill leaves no large freed buffers behind (the heap would keep them). out: where to write
-        (m, n) in out_dtype, its rows contiguous (a fused layer's column slice: the own GEMM writes it in place)."""
+        """Up to GEMM_ROWS rows per pass: the library's own GEMM (own_gemm: x in, out written, u packed in the workspace)
+        or u = H(x ⊙ suh), then per strip of columns Ŵ decoded once, a BLAS matmul, the output transform and the cast.
+        fp32 intermediates live in this thread's workspace (no large freed buffers for the heap to keep). out: (m, n)
+        in out_dtype with contiguous rows (a fused layer's column slice: the own GEMM writes it in place)."""
         if self.amx and self.amx_rows(x.dtype, x.shape[0]):
             y = self._gemm_amx(x, out_dtype, bias, threads)
             return y if out is None else out.copy_(y)
@@ -256,8 +255,7 @@ class CpuLinear:
         out = torch.empty(x.shape[0], n, dtype=out_dtype) if out is None else out
         bias = bias.float().contiguous() if bias is not None else None
         if self.own_gemm and x.dtype in ELEMENT_CODES and out.dtype in ELEMENT_CODES and out.stride(1) == 1:
-            # The library's own GEMM: x read as it is (cast, input transform and packing in one pass), Ŵ decoded into
-            # its B panels, the output transform, bias and cast written straight into out.
+            # x read as it is (cast, input transform, packing: one pass); output transform, bias and cast into out.
             x = x.contiguous()
             for r0 in range(0, x.shape[0], GEMM_ROWS):
                 rows = min(GEMM_ROWS, x.shape[0] - r0)
