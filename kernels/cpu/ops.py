@@ -38,9 +38,8 @@ GEMV_MAX_ROWS_PORTABLE = 3
 # registers) beat it up to 24-28 rows on Zen 4 (session 16) and the avx2vnni tier's up to 24-32 on Emerald Rapids
 # (1-16 threads, session 17). MoE experts with as many rows run as units.
 GEMV_MAX_ROWS_SIMD = 24
-# The same where the GEMM path is the library's own (the avx512 tier on other CPUs than Intel's, own_gemm_serves): on
-# Zen 4 the GEMM path's time over the GEMV's was 1.12-1.20 at 5 rows, 0.89-1.04 at 6 and 0.62-0.85 at 7, at 1 and 2
-# threads alike (session 19, since its panel decode got 3x cheaper; 15 rows in session 18).
+# The same before the library's own GEMM (own_gemm_serves): on Zen 4 its time over the GEMV's was 1.12-1.20 at 5 rows,
+# 0.89-1.04 at 6, 0.62-0.85 at 7, at 1 and 2 threads (session 19: its panel decode 3x cheaper; 15 rows in session 18).
 GEMV_MAX_ROWS_OWN_GEMM = 5
 # Rows up to which an int8 layer's GEMV takes int8 activations: its loop for more rows keeps the accumulators in memory
 # (as the exact loop did before session 16) and took 1.2-2.8x the exact GEMV's time at 4-8 rows (Emerald Rapids, 1-16
